@@ -1,0 +1,1 @@
+"""Subcommands of the `pagefleet` CLI, one module each (see `pagefleet.cli`)."""
