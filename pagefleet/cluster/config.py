@@ -1,0 +1,449 @@
+"""Cluster configuration: pools, tenants, router and scheduler settings, from YAML.
+
+Validated once, at load: every error names the field's path and the reason,
+e.g. ``pools[0].workers: must be >= 1, got 0``, so `pagefleet serve` fails at
+start instead of a worker failing later.
+
+```yaml
+server: {grpc_port: 50051}
+router: {policy: prefix_affinity, w_prefill: 1.0, w_load: 1.0}
+scheduler: {report_timeout_s: 3.0, wait_queue_size: 256}
+pools:
+  - {name: chat, model: tiny, workers: 2, block_size: 16, num_kv_blocks: 512}
+tenants:
+  - {name: acme, pool: chat, api_key_env: ACME_API_KEY}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from pagefleet.cluster.router import RouterConfig
+from pagefleet.worker.config import DTYPES, PREEMPTION_MODES, EngineConfig
+
+SCHEDULER_POLICIES = ("watermark", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+_T = TypeVar("_T")
+
+
+class ConfigError(ValueError):
+    """An invalid cluster config; the message starts with the field's path."""
+
+
+def _fail(name: str, reason: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}: {reason}")
+
+
+def _at_least(name: str, value: float | None, low: float) -> None:
+    if value is not None and value < low:
+        _fail(name, f"must be >= {low}, got {value}")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        _fail(name, f"must be one of {', '.join(allowed)}, got {value!r}")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte count from an int or a string like ``512MiB`` / ``2GB``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ValueError(f"expected a byte size like 512MiB or 2GB, got {value!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "b").lower()])
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A named group of identical workers serving one model."""
+
+    name: str
+    model: str = "tiny"
+    workers: int = 1
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    num_gpus_per_worker: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            _fail("name", "must not be empty")
+        _at_least("workers", self.workers, 1)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            _fail("block_size", f"must be a power of two >= 1, got {self.block_size}")
+        for name in ("num_kv_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("max_model_len", self.max_model_len, 2)
+        _at_least("swap_space_bytes", self.swap_space_bytes, 0)
+        _at_least("num_gpus_per_worker", self.num_gpus_per_worker, 0)
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        # The engine's own checks are the final word (e.g. cross-field limits).
+        try:
+            EngineConfig(**self.engine_kwargs(device="cpu"))
+        except ValueError as exc:
+            raise ConfigError(f"engine: {exc}") from exc
+
+    def engine_kwargs(self, *, device: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``EngineConfig``; unset limits keep the engine's defaults.
+
+        ``device="auto"`` resolves to cuda when the calling process sees a GPU
+        (call it on the worker), else cpu; `device` overrides.
+        """
+        if device is None:
+            device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_memory_bytes": self.kv_memory_bytes,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "preemption_mode": self.preemption_mode,
+            "swap_space_bytes": self.swap_space_bytes,
+            "dtype": self.dtype,
+            "device": device,
+        }
+        optional = ("max_num_seqs", "max_num_batched_tokens", "swap_space_bytes")
+        return {k: v for k, v in kwargs.items() if not (k in optional and v is None)}
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """A client identity: its pool, its prefix-cache salt and its API key."""
+
+    name: str
+    pool: str
+    salt: str | None = None
+    api_key: str | None = None
+    api_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            _fail("name", "must not be empty")
+        if self.salt == "":
+            _fail("salt", "must not be empty (omit it to derive one from the name)")
+        if self.api_key == "":
+            _fail("api_key", "must not be empty (omit it for a tenant without a key)")
+
+    def cache_salt(self) -> str:
+        """The prefix-cache salt router and workers must both use for this tenant.
+
+        Set by the server, never by the client, so one tenant cannot hit (or
+        time) another tenant's cached blocks.
+        """
+        return self.salt if self.salt is not None else f"tenant:{self.name}"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Central scheduler settings: liveness, wait queue bound, eviction watermarks."""
+
+    policy: str = "watermark"
+    report_interval_s: float = 0.5
+    report_timeout_s: float = 3.0
+    wait_queue_size: int = 256
+    evict_low_watermark: float = 0.05
+    evict_high_watermark: float = 0.10
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        if not self.report_interval_s > 0:
+            _fail("report_interval_s", f"must be > 0, got {self.report_interval_s}")
+        if not self.report_timeout_s > self.report_interval_s:
+            _fail(
+                "report_timeout_s",
+                f"must be > report_interval_s ({self.report_interval_s}), got {self.report_timeout_s}",
+            )
+        _at_least("wait_queue_size", self.wait_queue_size, 0)
+        if not 0.0 <= self.evict_low_watermark <= self.evict_high_watermark <= 1.0:
+            _fail(
+                "evict_high_watermark",
+                "need 0 <= evict_low_watermark <= evict_high_watermark <= 1, got "
+                f"{self.evict_low_watermark} and {self.evict_high_watermark}",
+            )
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the ingress listens."""
+
+    host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    http_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                _fail(name, f"must be in [0, 65535], got {port}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The whole serving cluster: pools of workers, tenants, router and scheduler."""
+
+    pools: tuple[PoolConfig, ...]
+    tenants: tuple[TenantConfig, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            _fail("pools", "must list at least one pool")
+        seen: dict[str, int] = {}
+        for i, pool in enumerate(self.pools):
+            if pool.name in seen:
+                _fail(f"pools[{i}].name", f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])")
+            seen[pool.name] = i
+        if not self.tenants:
+            # No tenants configured: one open tenant on the first pool.
+            object.__setattr__(self, "tenants", (TenantConfig("default", self.pools[0].name),))
+        names: set[str] = set()
+        keys: set[str] = set()
+        keyless: list[str] = []
+        for i, tenant in enumerate(self.tenants):
+            if tenant.name in names:
+                _fail(f"tenants[{i}].name", f"duplicate tenant name {tenant.name!r}")
+            names.add(tenant.name)
+            if tenant.pool not in seen:
+                _fail(f"tenants[{i}].pool", f"unknown pool {tenant.pool!r} (pools: {', '.join(seen)})")
+            if tenant.api_key is None:
+                keyless.append(tenant.name)
+            elif tenant.api_key in keys:
+                _fail(f"tenants[{i}].api_key", "two tenants share this API key")
+            else:
+                keys.add(tenant.api_key)
+        if len(keyless) > 1:
+            _fail("tenants", f"at most one tenant may have no API key, got {', '.join(keyless)}")
+
+    # loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        """Load and validate a YAML file; raises ConfigError naming the bad field."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """Build from plain data (parsed YAML/JSON); raises ConfigError naming the bad field."""
+        _check_keys(data, ("pools", "tenants", "router", "scheduler", "server"), "")
+        raw_pools = data.get("pools")
+        if not isinstance(raw_pools, list):
+            _fail("pools", f"must be a list of pools, got {type(raw_pools).__name__}")
+        pools = tuple(
+            _build(PoolConfig, _with_bytes(p, f"pools[{i}]"), f"pools[{i}]")
+            for i, p in enumerate(raw_pools)
+        )
+        raw_tenants = data.get("tenants") or []
+        if not isinstance(raw_tenants, list):
+            _fail("tenants", f"must be a list of tenants, got {type(raw_tenants).__name__}")
+        tenants = tuple(
+            _build(TenantConfig, _with_env_key(t, f"tenants[{i}]"), f"tenants[{i}]")
+            for i, t in enumerate(raw_tenants)
+        )
+        return cls(
+            pools=pools,
+            tenants=tenants,
+            router=_build(RouterConfig, data.get("router") or {}, "router"),
+            scheduler=_build(SchedulerConfig, data.get("scheduler") or {}, "scheduler"),
+            server=_build(ServerConfig, data.get("server") or {}, "server"),
+        )
+
+    @classmethod
+    def default(cls, model: str = "tiny", workers: int = 2) -> ClusterConfig:
+        """One pool ``default`` of `workers` CPU-or-GPU workers and one open tenant."""
+        try:
+            return cls(pools=(PoolConfig("default", model=model, workers=workers),))
+        except ConfigError as exc:
+            raise ConfigError(f"pools[0].{exc}") from exc
+
+    def with_overrides(self, *, model: str | None = None, workers: int | None = None) -> ClusterConfig:
+        """Apply the CLI's --model / --workers to every pool (validated again)."""
+        changes: dict[str, Any] = {}
+        if model is not None:
+            changes["model"] = model
+        if workers is not None:
+            changes["workers"] = workers
+        if not changes:
+            return self
+        pools = []
+        for i, pool in enumerate(self.pools):
+            try:
+                pools.append(dataclasses.replace(pool, **changes))
+            except ConfigError as exc:
+                raise ConfigError(f"pools[{i}].{exc}") from exc
+        return dataclasses.replace(self, pools=tuple(pools))
+
+    # lookups ---------------------------------------------------------------------------
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called `name` (KeyError if none)."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"unknown pool {name!r}")
+
+    def tenant(self, name: str) -> TenantConfig:
+        """The tenant called `name` (KeyError if none)."""
+        for tenant in self.tenants:
+            if tenant.name == name:
+                return tenant
+        raise KeyError(f"unknown tenant {name!r}")
+
+    def tenant_for_api_key(self, key: str | None) -> TenantConfig | None:
+        """The tenant this key authenticates; no key means the keyless tenant, if any."""
+        if not key:
+            return next((t for t in self.tenants if t.api_key is None), None)
+        encoded = key.encode()
+        match = None
+        for tenant in self.tenants:
+            # Compare against every key in constant time: no early exit to time.
+            if tenant.api_key is not None and hmac.compare_digest(tenant.api_key.encode(), encoded):
+                match = tenant
+        return match
+
+    @property
+    def auth_required(self) -> bool:
+        """True when every tenant has an API key (requests without one are refused)."""
+        return all(t.api_key is not None for t in self.tenants)
+
+
+# building dataclasses from untrusted data -----------------------------------------------
+
+
+def _check_keys(data: Mapping[str, Any], known: typing.Iterable[str], path: str) -> None:
+    known = tuple(known)
+    for key in data:
+        if key not in known:
+            where = f"{path}.{key}" if path else str(key)
+            _fail(where, f"unknown field (known: {', '.join(known)})")
+
+
+def _with_bytes(raw: Any, path: str) -> Any:
+    if not isinstance(raw, Mapping):
+        return raw
+    data = dict(raw)
+    if "kv_memory" in data:  # friendlier spelling in YAML
+        if "kv_memory_bytes" in data:
+            _fail(f"{path}.kv_memory", "give kv_memory or kv_memory_bytes, not both")
+        data["kv_memory_bytes"] = data.pop("kv_memory")
+    for name in ("kv_memory_bytes", "swap_space_bytes"):
+        if isinstance(data.get(name), str):
+            try:
+                data[name] = parse_bytes(data[name])
+            except ValueError as exc:
+                _fail(f"{path}.{name}", str(exc))
+    return data
+
+
+def _with_env_key(raw: Any, path: str) -> Any:
+    if not isinstance(raw, Mapping) or raw.get("api_key_env") is None:
+        return raw
+    data = dict(raw)
+    env = data["api_key_env"]
+    if data.get("api_key") is not None:
+        _fail(f"{path}.api_key_env", "give api_key or api_key_env, not both")
+    value = os.environ.get(str(env))
+    if not value:
+        _fail(f"{path}.api_key_env", f"environment variable {env} is not set")
+    data["api_key"] = value
+    return data
+
+
+def _build(cls: type[_T], raw: Any, path: str) -> _T:
+    """cls(**raw) with unknown keys, wrong types and validation errors reported at `path`."""
+    if not isinstance(raw, Mapping):
+        _fail(path, f"must be a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    _check_keys(raw, fields, path)
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        values[key] = _coerce(value, hints[key], f"{path}.{key}")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        _fail(f"{path}.{missing[0]}", "is required")
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}.{exc}") from exc
+    except ValueError as exc:  # RouterConfig and others use "field: reason" ValueErrors
+        raise ConfigError(f"{path}.{exc}") from exc
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check a YAML scalar against a field's type; ints are accepted where floats are."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        _fail(path, "must not be null")
+    for typ in allowed:
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ is bool and isinstance(value, bool):
+            return value
+        if typ is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed if t is not type(None))
+    _fail(path, f"must be {names}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,460 @@
+"""Prefix-affinity request router: a plain class, no Ray, no remote call per request.
+
+The router keeps, per worker, the set of block hashes that worker holds in
+its prefix cache, fed asynchronously by the worker's KV events. To route a
+prompt it computes the prompt's chained block hashes (the workers' own
+function, salted by tenant), finds each live worker's longest cached prefix,
+and picks the lowest
+
+    cost = w_prefill * uncached_prompt_blocks + w_load * active_blocks + w_queue * waiting
+
+A global inverted index maps each hash to a bitmask of the workers holding
+it (each worker owns one bit). The match is then one walk along the prompt's
+hashes that ANDs masks, narrowing the set of workers still matching, instead
+of one walk per worker. Masks are plain ints, so the index (hundreds of
+thousands of entries) is a dict of bytes to ints that the garbage collector
+does not track: no collection pauses on the routing path.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagefleet.worker.events import KVEventBatch, LoadReport, decode_message
+from pagefleet.worker.prefix_hash import hash_token_blocks
+
+if TYPE_CHECKING:
+    from pagefleet.scheduler.state import ClusterView
+
+ROUTING_POLICIES = ("prefix_affinity", "round_robin", "least_loaded", "power_of_two")
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No live worker in the pool can take the request (maps to UNAVAILABLE)."""
+
+    def __init__(self, pool: str, reason: str = "no live worker") -> None:
+        super().__init__(f"pool {pool!r}: {reason}")
+        self.pool = pool
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing policy and cost weights (validated at construction)."""
+
+    policy: str = "prefix_affinity"
+    w_prefill: float = 1.0
+    w_load: float = 0.25
+    w_queue: float = 8.0
+    # The guard is per candidate: only the overloaded worker loses its affinity,
+    # the rest of the fleet keeps routing by prefix.
+    imbalance_ratio: float = 1.5
+    imbalance_slack_blocks: int = 64
+    speculative_ttl_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
+        for name in ("w_prefill", "w_load", "w_queue", "speculative_ttl_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
+        if not self.imbalance_ratio >= 1.0:
+            raise ValueError(f"imbalance_ratio: must be >= 1.0, got {self.imbalance_ratio}")
+        if self.imbalance_slack_blocks < 0:
+            raise ValueError(
+                f"imbalance_slack_blocks: must be >= 0, got {self.imbalance_slack_blocks}"
+            )
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request goes and why (for logs, metrics and tests)."""
+
+    worker_id: str
+    pool: str
+    policy: str
+    matched_blocks: int  # the chosen worker's cached prefix, as the router's index sees it
+    prompt_blocks: int
+    cost: float  # prefix_affinity's score of the chosen worker; 0.0 for the other policies
+    num_candidates: int
+
+
+class _Worker:
+    __slots__ = (
+        "alive",
+        "bit",
+        "block_size",
+        "last_kv_seq",
+        "pending_blocks",
+        "pool",
+        "report",
+        "speculative",
+        "worker_id",
+    )
+
+    def __init__(self, worker_id: str, pool: str, block_size: int, bit: int) -> None:
+        self.worker_id = worker_id
+        self.pool = pool
+        self.block_size = block_size
+        self.bit = bit  # 1 << slot: this worker's bit in the index masks
+        self.alive = True
+        self.speculative: dict[bytes, float] = {}  # hash -> expiry, from our own routing
+        self.report: LoadReport | None = None
+        self.last_kv_seq = -1
+        # Uncached blocks routed here since the last load report: keeps a burst from
+        # piling onto one worker between two reports.
+        self.pending_blocks = 0
+
+    def load(self) -> int:
+        live = self.report.live_blocks if self.report is not None else 0
+        return live + self.pending_blocks
+
+    def waiting(self) -> int:
+        # Routed-but-unreported requests are in pending_blocks already; most of them
+        # run at once rather than wait, so they do not count here.
+        return self.report.num_waiting if self.report is not None else 0
+
+
+class Router:
+    """Scores a pool's live workers for a prompt; see the module docstring for the cost."""
+
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        *,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._workers: dict[str, _Worker] = {}
+        self._pools: dict[str, list[str]] = {}
+        self._pool_block_size: dict[str, int] = {}
+        # hash -> mask of workers holding it (confirmed or speculative) / confirmed only
+        self._holders: dict[bytes, int] = {}
+        self._confirmed: dict[bytes, int] = {}
+        self._by_slot: dict[int, _Worker] = {}
+        self._free_slots: list[int] = []
+        self._expiries: deque[tuple[float, str, bytes]] = deque()
+        self._rr_next: dict[str, int] = {}
+        self.index_gaps = 0
+
+    # membership -----------------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, pool: str, *, block_size: int = 16) -> None:
+        """Add a worker to a pool (idempotent); a pool's block size is set by its first worker."""
+        known = self._pool_block_size.get(pool)
+        if known is not None and known != block_size:
+            raise ValueError(f"pool {pool!r} has block_size {known}, worker {worker_id!r} has {block_size}")
+        existing = self._workers.get(worker_id)
+        if existing is not None:
+            if existing.pool != pool:
+                raise ValueError(f"worker {worker_id!r} is in pool {existing.pool!r}, not {pool!r}")
+            return
+        self._pool_block_size[pool] = block_size
+        slot = self._free_slots.pop() if self._free_slots else len(self._by_slot)
+        worker = _Worker(worker_id, pool, block_size, 1 << slot)
+        self._workers[worker_id] = worker
+        self._by_slot[slot] = worker
+        self._pools.setdefault(pool, []).append(worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and everything indexed for it; unknown ids are ignored."""
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return
+        self._clear_index(worker)
+        self._pools[worker.pool].remove(worker_id)
+        slot = worker.bit.bit_length() - 1
+        del self._by_slot[slot]
+        self._free_slots.append(slot)
+
+    def set_alive(self, worker_id: str, alive: bool) -> None:
+        """Take a worker out of (or back into) routing; its index is kept."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.alive = alive
+
+    def workers(self, pool: str | None = None, *, alive_only: bool = False) -> list[str]:
+        """Worker ids, optionally of one pool and only the live ones."""
+        ids = list(self._workers) if pool is None else list(self._pools.get(pool, ()))
+        if alive_only:
+            ids = [w for w in ids if self._workers[w].alive]
+        return ids
+
+    def block_size(self, pool: str) -> int:
+        """Block size of a pool's workers (KeyError if the pool has none)."""
+        return self._pool_block_size[pool]
+
+    # state updates --------------------------------------------------------------------
+
+    def apply_load_report(self, report: LoadReport) -> None:
+        """Take a worker's latest load; an unknown worker is added (block size 16 if new pool)."""
+        worker = self._workers.get(report.worker_id)
+        if worker is None:
+            self.add_worker(
+                report.worker_id, report.pool, block_size=self._pool_block_size.get(report.pool, 16)
+            )
+            worker = self._workers[report.worker_id]
+        if not report.supersedes(worker.report):
+            return
+        worker.report = report
+        worker.pending_blocks = 0
+
+    def apply_kv_events(self, batch: KVEventBatch) -> None:
+        """Update a worker's cached-hash index; batches of unknown workers are dropped."""
+        worker = self._workers.get(batch.worker_id)
+        if worker is None:
+            return
+        if batch.reset:
+            # A (re)started worker: empty cache, and its report seq starts over too.
+            self._clear_index(worker)
+            worker.report = None
+        elif worker.last_kv_seq >= 0 and batch.seq != worker.last_kv_seq + 1:
+            # A lost batch leaves the index stale; that costs hit rate, never correctness.
+            self.index_gaps += 1
+        worker.last_kv_seq = batch.seq
+        bit = worker.bit
+        holders, confirmed, speculative = self._holders, self._confirmed, worker.speculative
+        for kind, block_hash in batch.events:
+            speculative.pop(block_hash, None)
+            if kind == "stored":
+                confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
+                holders[block_hash] = holders.get(block_hash, 0) | bit
+            else:
+                _clear_bit(confirmed, block_hash, bit)
+                _clear_bit(holders, block_hash, bit)
+
+    def apply_message(self, data: bytes) -> None:
+        """Decode a load report or KV event batch and apply it."""
+        message = decode_message(data)
+        if isinstance(message, LoadReport):
+            self.apply_load_report(message)
+        else:
+            self.apply_kv_events(message)
+
+    def apply_view(self, view: ClusterView) -> None:
+        """Sync membership, liveness and load from the scheduler's snapshot.
+
+        Workers missing from the view are kept as they are: a restarted
+        scheduler's view is empty until workers re-register, and routing must
+        go on meanwhile.
+        """
+        for wv in view.workers:
+            info = wv.info
+            if info.worker_id not in self._workers:
+                self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
+            self._workers[info.worker_id].alive = wv.alive
+            if wv.report is not None:
+                self.apply_load_report(wv.report)
+
+    # queries --------------------------------------------------------------------------
+
+    def block_hashes(
+        self,
+        pool: str,
+        token_ids: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        adapter_id: str | None = None,
+    ) -> list[bytes]:
+        """The prompt's chained block hashes as the pool's workers compute them."""
+        return hash_token_blocks(
+            token_ids, self._pool_block_size.get(pool, 16), salt=salt, adapter_id=adapter_id
+        )
+
+    def matched_blocks(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """Length of the contiguous prefix of `hashes` the router believes the worker holds."""
+        self._expire()
+        bit = self._workers[worker_id].bit
+        holders = self._holders
+        n = 0
+        for h in hashes:
+            if not holders.get(h, 0) & bit:
+                break
+            n += 1
+        return n
+
+    def num_indexed(self, worker_id: str) -> int:
+        """Hashes indexed for a worker (confirmed plus speculative); O(index size)."""
+        self._expire()
+        bit = self._workers[worker_id].bit
+        return sum(1 for mask in self._holders.values() if mask & bit)
+
+    # routing --------------------------------------------------------------------------
+
+    def route(
+        self,
+        pool: str,
+        token_ids: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        policy: str | None = None,
+        exclude: Collection[str] = (),
+    ) -> RouteDecision:
+        """Pick a worker of `pool` for a tokenized prompt; raises NoWorkerAvailable."""
+        hashes = self.block_hashes(pool, token_ids, salt=salt)
+        return self.route_hashes(pool, hashes, policy=policy, exclude=exclude)
+
+    def route_hashes(
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        policy: str | None = None,
+        exclude: Collection[str] = (),
+    ) -> RouteDecision:
+        """Pick a worker for a prompt given its block hashes; raises NoWorkerAvailable."""
+        policy = policy or self.config.policy
+        candidates = [
+            self._workers[w]
+            for w in self._pools.get(pool, ())
+            if self._workers[w].alive and w not in exclude
+        ]
+        if not candidates:
+            raise NoWorkerAvailable(pool)
+        if policy == "prefix_affinity":
+            chosen, matched, cost = self._prefix_affinity(candidates, hashes)
+        elif policy == "round_robin":
+            chosen, matched, cost = self._round_robin(pool, candidates), 0, 0.0
+        elif policy == "least_loaded":
+            chosen, matched, cost = self._least_loaded(candidates), 0, 0.0
+        elif policy == "power_of_two":
+            pair = self._rng.sample(candidates, 2) if len(candidates) > 1 else candidates
+            chosen, matched, cost = self._least_loaded(pair), 0, 0.0
+        else:
+            raise ValueError(f"unknown routing policy {policy!r}, expected one of {ROUTING_POLICIES}")
+        if policy != "prefix_affinity":
+            matched = self.matched_blocks(chosen.worker_id, hashes)
+        self._note_routed(chosen, hashes, matched)
+        return RouteDecision(
+            worker_id=chosen.worker_id,
+            pool=pool,
+            policy=policy,
+            matched_blocks=matched,
+            prompt_blocks=len(hashes),
+            cost=cost,
+            num_candidates=len(candidates),
+        )
+
+    def _prefix_affinity(
+        self, candidates: list[_Worker], hashes: Sequence[bytes]
+    ) -> tuple[_Worker, int, float]:
+        candidate_mask = 0
+        for w in candidates:
+            candidate_mask |= w.bit
+        matches = self._match_lengths(hashes, candidate_mask)
+        cfg = self.config
+        n = len(hashes)
+        loads = [w.load() for w in candidates]
+        guard = cfg.imbalance_ratio * min(loads) + cfg.imbalance_slack_blocks
+        best: list[_Worker] = []
+        best_cost = 0.0
+        for w, load in zip(candidates, loads, strict=True):
+            credited = matches.get(w.bit, 0) if load <= guard else 0
+            cost = cfg.w_prefill * (n - credited) + cfg.w_load * load + cfg.w_queue * w.waiting()
+            if not best or cost < best_cost:
+                best, best_cost = [w], cost
+            elif cost == best_cost:
+                best.append(w)
+        chosen = best[0] if len(best) == 1 else self._rng.choice(best)
+        # Report the real match (what the worker will reuse), even where the guard
+        # did not credit it in the cost.
+        return chosen, matches.get(chosen.bit, 0), best_cost
+
+    def _match_lengths(self, hashes: Sequence[bytes], candidate_mask: int) -> dict[int, int]:
+        """Per worker bit, the length of its contiguous cached prefix of `hashes` (absent = 0)."""
+        self._expire()
+        if not hashes:
+            return {}
+        holders = self._holders
+        alive = holders.get(hashes[0], 0) & candidate_mask
+        if not alive:
+            return {}
+        # Hash chaining means "block i cached" implies its prefix was computed,
+        # but an evicted middle block breaks reuse, so contiguity is checked.
+        lengths: dict[int, int] = {}
+        depth = len(hashes)
+        for i in range(1, len(hashes)):
+            mask = holders.get(hashes[i], 0)
+            dropped = alive & ~mask
+            if dropped:
+                while dropped:
+                    low = dropped & -dropped
+                    lengths[low] = i
+                    dropped ^= low
+                alive &= mask
+                if not alive:
+                    return lengths
+        while alive:
+            low = alive & -alive
+            lengths[low] = depth
+            alive ^= low
+        return lengths
+
+    def _round_robin(self, pool: str, candidates: list[_Worker]) -> _Worker:
+        i = self._rr_next.get(pool, 0)
+        self._rr_next[pool] = i + 1
+        return candidates[i % len(candidates)]
+
+    def _least_loaded(self, candidates: list[_Worker]) -> _Worker:
+        cfg = self.config
+        scored = [(cfg.w_load * w.load() + cfg.w_queue * w.waiting(), w) for w in candidates]
+        low = min(s for s, _ in scored)
+        best = [w for s, w in scored if s == low]
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _note_routed(self, worker: _Worker, hashes: Sequence[bytes], matched: int) -> None:
+        worker.pending_blocks += len(hashes) - matched
+        ttl = self.config.speculative_ttl_s
+        if ttl <= 0:
+            return
+        # The worker will store these blocks once it prefills them; count them now so
+        # the next request with the same prefix follows this one.
+        expiry = self._clock() + ttl
+        bit = worker.bit
+        holders, confirmed = self._holders, self._confirmed
+        for h in hashes[matched:]:
+            if confirmed.get(h, 0) & bit:
+                continue
+            worker.speculative[h] = expiry
+            holders[h] = holders.get(h, 0) | bit
+            self._expiries.append((expiry, worker.worker_id, h))
+
+    # index maintenance ----------------------------------------------------------------
+
+    def _expire(self) -> None:
+        expiries = self._expiries
+        if not expiries:
+            return
+        now = self._clock()
+        while expiries and expiries[0][0] <= now:
+            expiry, wid, h = expiries.popleft()
+            worker = self._workers.get(wid)
+            if worker is None or worker.speculative.get(h) != expiry:
+                continue  # confirmed, removed or re-speculated since
+            del worker.speculative[h]
+            if not self._confirmed.get(h, 0) & worker.bit:
+                _clear_bit(self._holders, h, worker.bit)
+
+    def _clear_index(self, worker: _Worker) -> None:
+        # O(index size); only on worker removal or restart.
+        bit = worker.bit
+        for index in (self._holders, self._confirmed):
+            for h in [h for h, mask in index.items() if mask & bit]:
+                _clear_bit(index, h, bit)
+        worker.speculative.clear()
+
+
+def _clear_bit(index: dict[bytes, int], block_hash: bytes, bit: int) -> None:
+    mask = index.get(block_hash, 0) & ~bit
+    if mask:
+        index[block_hash] = mask
+    else:
+        index.pop(block_hash, None)

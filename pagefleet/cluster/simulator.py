@@ -1,0 +1,365 @@
+"""Discrete-event simulator: N workers with real block pools behind the real router.
+
+Compares routing policies offline on a shared-prefix workload: groups of
+requests share a long system prompt, each request adds a unique suffix.
+Each simulated worker owns a real `BlockPool` (prefix cache, LRU eviction,
+KV events) and a simple service model: prefills are serialized on the
+worker (compute-bound, cost per uncached token), decodes run batched (a fixed
+time per output token), at most `max_num_seqs` requests run at once, and a
+request is admitted only when its prompt plus output blocks can be allocated.
+The router sees the workers the way it does in the cluster: KV events arrive
+after `kv_event_delay_s`, load reports every `report_interval_s`.
+
+    python -m pagefleet.cluster.simulator --workers 4 --groups 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
+from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
+from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.prefix_hash import hash_token_blocks
+
+_POOL = "sim"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A shared-prefix workload: `num_groups` system prompts, Poisson arrivals."""
+
+    num_requests: int = 400
+    num_groups: int = 8
+    system_prompt_tokens: int = 512
+    suffix_tokens: int = 64
+    output_tokens: int = 32
+    arrival_rate: float = 40.0  # requests per second
+    vocab_size: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "num_groups", "suffix_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.system_prompt_tokens < 0:
+            raise ValueError(f"system_prompt_tokens must be >= 0, got {self.system_prompt_tokens}")
+        if not self.arrival_rate > 0:
+            raise ValueError(f"arrival_rate must be > 0, got {self.arrival_rate}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated fleet: its size, pools and service model."""
+
+    num_workers: int = 4
+    num_blocks: int = 192
+    block_size: int = 16
+    max_num_seqs: int = 16
+    prefill_s_per_token: float = 2e-4
+    decode_s_per_token: float = 0.02
+    report_interval_s: float = 0.25
+    kv_event_delay_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_s_per_token", "decode_s_per_token", "report_interval_s", "kv_event_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one policy achieved on one workload."""
+
+    policy: str
+    num_requests: int
+    hit_rate: float  # prompt tokens served from a worker's prefix cache
+    ideal_hit_rate: float  # the same with one shared, unbounded cache
+    ttft_p50_s: float
+    ttft_p99_s: float
+    throughput_rps: float
+    evictions: int
+    max_worker_share: float  # the busiest worker's share of requests
+
+    @property
+    def hit_rate_vs_ideal(self) -> float:
+        return self.hit_rate / self.ideal_hit_rate if self.ideal_hit_rate else 0.0
+
+
+@dataclass
+class _Request:
+    index: int
+    arrival: float
+    prompt: list[int]
+    hashes: list[bytes]
+    output_tokens: int
+    blocks: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+
+
+class _Worker:
+    def __init__(self, worker_id: str, cfg: SimConfig) -> None:
+        self.worker_id = worker_id
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size)
+        self.waiting: deque[_Request] = deque()
+        self.running = 0
+        self.prefill_free_at = 0.0
+        self.report_seq = 0
+        self.kv_seq = 0
+        self.served = 0
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+
+    def report(self, now: float) -> LoadReport:
+        s = self.pool.stats()
+        self.report_seq += 1
+        return LoadReport(
+            self.worker_id, _POOL, self.report_seq, now, s.total, s.free, s.live, s.cached,
+            s.peak_live, num_running=self.running, num_waiting=len(self.waiting),
+            evictions=s.evictions, prefix_query_tokens=self.prompt_tokens,
+            prefix_hit_tokens=self.hit_tokens,
+        )  # fmt: skip
+
+
+class Simulation:
+    """One run of a workload through the router and the simulated workers."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: SimConfig,
+        policy: str,
+        router_config: RouterConfig | None = None,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.workload = workload
+        self.cfg = cfg
+        self.policy = policy
+        self.now = 0.0
+        self.router = Router(
+            replace(router_config or RouterConfig(), policy=policy),
+            seed=workload.seed,
+            clock=lambda: self.now,
+        )
+        self.workers = {f"w{i}": _Worker(f"w{i}", cfg) for i in range(cfg.num_workers)}
+        for wid in self.workers:
+            self.router.add_worker(wid, _POOL, block_size=cfg.block_size)
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._tie = 0
+        self._finished: list[_Request] = []
+
+    # event queue ------------------------------------------------------------------
+
+    def _at(self, t: float, kind: str, payload: Any) -> None:
+        self._tie += 1
+        heapq.heappush(self._events, (t, self._tie, kind, payload))
+
+    def run(self) -> SimResult:
+        """Simulate until every request has finished."""
+        requests = make_requests(self.workload, self.cfg.block_size)
+        w = self.workload
+        need = -(-(w.system_prompt_tokens + w.suffix_tokens + w.output_tokens) // self.cfg.block_size)
+        if need > self.cfg.num_blocks:
+            raise ValueError(f"a request needs {need} blocks, a worker has only {self.cfg.num_blocks}")
+        for req in requests:
+            self._at(req.arrival, "arrival", req)
+        self._at(0.0, "report", None)
+        while self._events and len(self._finished) < len(requests):
+            self.now, _, kind, payload = heapq.heappop(self._events)
+            getattr(self, f"_on_{kind}")(payload)
+        return self._result(requests)
+
+    def _on_arrival(self, req: _Request) -> None:
+        decision = self.router.route_hashes(_POOL, req.hashes)
+        worker = self.workers[decision.worker_id]
+        worker.waiting.append(req)
+        self._admit(worker)
+
+    def _on_report(self, _: None) -> None:
+        for worker in self.workers.values():
+            self.router.apply_load_report(worker.report(self.now))
+        self._at(self.now + self.cfg.report_interval_s, "report", None)
+
+    def _on_kv(self, batch: KVEventBatch) -> None:
+        self.router.apply_kv_events(batch)
+
+    def _on_prefilled(self, item: tuple[_Worker, _Request]) -> None:
+        worker, req = item
+        for i, h in enumerate(req.hashes):
+            worker.pool.register(req.blocks[i], h)
+        self._publish(worker)
+        decode = req.output_tokens * self.cfg.decode_s_per_token
+        self._at(self.now + decode, "finished", item)
+
+    def _on_finished(self, item: tuple[_Worker, _Request]) -> None:
+        worker, req = item
+        worker.pool.free(reversed(req.blocks))
+        worker.running -= 1
+        self._finished.append(req)
+        self._publish(worker)
+        self._admit(worker)
+
+    # worker behaviour -------------------------------------------------------------
+
+    def _admit(self, worker: _Worker) -> None:
+        """Admit waiting requests in order while sequences and blocks allow."""
+        bs = self.cfg.block_size
+        pool = worker.pool
+        while worker.waiting and worker.running < self.cfg.max_num_seqs:
+            req = worker.waiting[0]
+            total = -(-(len(req.prompt) + req.output_tokens) // bs)
+            # The last prompt token is always computed, so its block is never a hit.
+            reusable = req.hashes[: (len(req.prompt) - 1) // bs]
+            cached = pool.lookup(reusable)
+            try:
+                fresh = pool.allocate(total - len(cached))
+            except NoFreeBlocks:
+                pool.free(reversed(cached))
+                break  # FIFO: the head waits for blocks, the rest wait behind it
+            worker.waiting.popleft()
+            req.blocks = cached + fresh
+            worker.running += 1
+            worker.served += 1
+            worker.hit_tokens += len(cached) * bs
+            worker.prompt_tokens += len(req.prompt)
+            start = max(self.now, worker.prefill_free_at)
+            done = start + (len(req.prompt) - len(cached) * bs) * self.cfg.prefill_s_per_token
+            worker.prefill_free_at = done
+            req.ttft = done - req.arrival
+            self._at(done, "prefilled", (worker, req))
+        self._publish(worker)
+
+    def _publish(self, worker: _Worker) -> None:
+        events = worker.pool.drain_events()
+        if events:
+            worker.kv_seq += 1
+            batch = KVEventBatch.from_engine(worker.worker_id, worker.kv_seq, events)
+            self._at(self.now + self.cfg.kv_event_delay_s, "kv", batch)
+
+    # results ------------------------------------------------------------------------
+
+    def _result(self, requests: Sequence[_Request]) -> SimResult:
+        hit = sum(w.hit_tokens for w in self.workers.values())
+        prompt = sum(w.prompt_tokens for w in self.workers.values())
+        ttfts = sorted(r.ttft for r in requests)
+        makespan = max(self.now, 1e-9)
+        return SimResult(
+            policy=self.policy,
+            num_requests=len(requests),
+            hit_rate=hit / prompt if prompt else 0.0,
+            ideal_hit_rate=ideal_hit_rate(requests, self.cfg.block_size),
+            ttft_p50_s=_percentile(ttfts, 0.50),
+            ttft_p99_s=_percentile(ttfts, 0.99),
+            throughput_rps=len(requests) / makespan,
+            evictions=sum(w.pool.stats().evictions for w in self.workers.values()),
+            max_worker_share=max(w.served for w in self.workers.values()) / len(requests),
+        )
+
+
+def make_requests(workload: Workload, block_size: int) -> list[_Request]:
+    """The workload's requests, deterministic in its seed."""
+    rng = random.Random(workload.seed)
+    systems = [
+        [rng.randrange(workload.vocab_size) for _ in range(workload.system_prompt_tokens)]
+        for _ in range(workload.num_groups)
+    ]
+    t = 0.0
+    out = []
+    for i in range(workload.num_requests):
+        t += rng.expovariate(workload.arrival_rate)
+        suffix = [rng.randrange(workload.vocab_size) for _ in range(workload.suffix_tokens)]
+        prompt = systems[rng.randrange(workload.num_groups)] + suffix
+        out.append(_Request(i, t, prompt, hash_token_blocks(prompt, block_size), workload.output_tokens))
+    return out
+
+
+def ideal_hit_rate(requests: Sequence[_Request], block_size: int) -> float:
+    """Hit rate of one shared cache that never evicts, in arrival order."""
+    seen: set[bytes] = set()
+    hit = prompt = 0
+    for req in sorted(requests, key=lambda r: r.arrival):
+        reusable = req.hashes[: (len(req.prompt) - 1) // block_size]
+        for h in reusable:
+            if h not in seen:
+                break
+            hit += block_size
+        seen.update(req.hashes)
+        prompt += len(req.prompt)
+    return hit / prompt if prompt else 0.0
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def simulate(
+    policy: str,
+    workload: Workload | None = None,
+    cfg: SimConfig | None = None,
+    router_config: RouterConfig | None = None,
+) -> SimResult:
+    """Run one policy on a workload."""
+    return Simulation(workload or Workload(), cfg or SimConfig(), policy, router_config).run()
+
+
+def compare_policies(
+    workload: Workload | None = None,
+    cfg: SimConfig | None = None,
+    policies: Sequence[str] = ROUTING_POLICIES,
+    router_config: RouterConfig | None = None,
+) -> list[SimResult]:
+    """Every policy on the same workload and fleet."""
+    return [simulate(p, workload, cfg, router_config) for p in policies]
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    """A markdown table of results, with hit rate relative to the ideal shared cache."""
+    lines = [
+        "| policy | hit rate | vs ideal | TTFT p50 (s) | TTFT p99 (s) | req/s | evictions | busiest worker |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {r.hit_rate:.1%} | {r.hit_rate_vs_ideal:.1%} | {r.ttft_p50_s:.3f} "
+            f"| {r.ttft_p99_s:.3f} | {r.throughput_rps:.1f} | {r.evictions} | {r.max_worker_share:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: print the policy comparison table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=SimConfig.num_workers)
+    parser.add_argument("--blocks", type=int, default=SimConfig.num_blocks, help="KV blocks per worker")
+    parser.add_argument("--groups", type=int, default=Workload.num_groups)
+    parser.add_argument("--requests", type=int, default=Workload.num_requests)
+    parser.add_argument("--system-tokens", type=int, default=Workload.system_prompt_tokens)
+    parser.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
+    parser.add_argument("--rate", type=float, default=Workload.arrival_rate, help="requests per second")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    workload = Workload(
+        num_requests=args.requests, num_groups=args.groups, system_prompt_tokens=args.system_tokens,
+        suffix_tokens=args.suffix_tokens, arrival_rate=args.rate, seed=args.seed,
+    )  # fmt: skip
+    cfg = SimConfig(num_workers=args.workers, num_blocks=args.blocks)
+    print(workload)
+    print(cfg)
+    print(format_table(compare_policies(workload, cfg)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

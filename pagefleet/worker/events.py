@@ -1,0 +1,308 @@
+"""Wire formats that workers publish: load reports and KV events (msgpack, versioned).
+
+Both messages are msgpack maps carrying ``v`` (the wire version) and ``kind``,
+so one channel can carry either and a receiver can tell a peer of another
+version from garbage. Decoding never trusts the bytes: any malformed input
+raises :class:`EventDecodeError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1
+
+_LOAD_KIND = "load"
+_KV_KIND = "kv"
+_KV_EVENT_TYPES = frozenset({"stored", "removed"})
+
+
+class EventDecodeError(ValueError):
+    """The bytes are not a valid message of this wire version."""
+
+
+def _unpack(data: bytes, kind: str | None) -> dict[str, Any]:
+    """The message's map after checking version and (unless None) kind."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EventDecodeError(f"expected bytes, got {type(data).__name__}")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise EventDecodeError(f"not a msgpack message: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise EventDecodeError(f"expected a msgpack map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != WIRE_VERSION:
+        raise EventDecodeError(f"unsupported wire version {version!r}, expected {WIRE_VERSION}")
+    if kind is not None and obj.get("kind") != kind:
+        raise EventDecodeError(f"expected a {kind!r} message, got kind {obj.get('kind')!r}")
+    return obj
+
+
+def _get(obj: Mapping[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
+    if name not in obj:
+        raise EventDecodeError(f"missing field {name!r}")
+    value = obj[name]
+    # bool is an int subclass; a flag where a count belongs is still garbage
+    if isinstance(value, bool) and typ is not bool:
+        raise EventDecodeError(f"field {name!r} has type bool")
+    if not isinstance(value, typ):
+        raise EventDecodeError(f"field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _count_map(obj: Mapping[str, Any], name: str) -> dict[str, int]:
+    raw = _get(obj, name, dict)
+    for key, value in raw.items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, int):
+            raise EventDecodeError(f"field {name!r} must map str to int")
+    return dict(raw)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One worker's KV pool counters and queue lengths at one moment.
+
+    Block counts are the current state; preemptions, evictions and prefix
+    token counts are cumulative since the worker started.
+    """
+
+    worker_id: str
+    pool: str
+    seq: int
+    timestamp: float
+    total_blocks: int
+    free_blocks: int
+    live_blocks: int
+    cached_blocks: int
+    peak_live_blocks: int
+    num_running: int = 0
+    num_waiting: int = 0
+    tenant_live_blocks: Mapping[str, int] = field(default_factory=dict)
+    preemptions: Mapping[str, int] = field(default_factory=dict)
+    evictions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # Identifies the worker process; `seq` restarts from 1 with each incarnation, so
+    # receivers compare seq only within one incarnation.
+    incarnation: str = ""
+
+    def supersedes(self, previous: LoadReport | None) -> bool:
+        """Whether this report is newer than `previous` from the same worker."""
+        if previous is None or self.incarnation != previous.incarnation:
+            return True
+        return self.seq > previous.seq
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate in tokens; 0.0 before the first query."""
+        if self.prefix_query_tokens <= 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks a new request could get now: free plus evictable cached ones."""
+        return self.free_blocks + self.cached_blocks
+
+    def encode(self) -> bytes:
+        """msgpack bytes of this report."""
+        return msgpack.packb(
+            {
+                "v": WIRE_VERSION,
+                "kind": _LOAD_KIND,
+                "worker_id": self.worker_id,
+                "pool": self.pool,
+                "seq": self.seq,
+                "ts": float(self.timestamp),
+                "total": self.total_blocks,
+                "free": self.free_blocks,
+                "live": self.live_blocks,
+                "cached": self.cached_blocks,
+                "peak_live": self.peak_live_blocks,
+                "running": self.num_running,
+                "waiting": self.num_waiting,
+                "tenant_live": dict(self.tenant_live_blocks),
+                "preemptions": dict(self.preemptions),
+                "evictions": self.evictions,
+                "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "incarnation": self.incarnation,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> LoadReport:
+        """Parse bytes from :meth:`encode`; raises EventDecodeError on anything else."""
+        return cls._from_obj(_unpack(data, _LOAD_KIND))
+
+    @classmethod
+    def _from_obj(cls, obj: Mapping[str, Any]) -> LoadReport:
+        return cls(
+            worker_id=_get(obj, "worker_id", str),
+            pool=_get(obj, "pool", str),
+            seq=_get(obj, "seq", int),
+            timestamp=float(_get(obj, "ts", (int, float))),
+            total_blocks=_get(obj, "total", int),
+            free_blocks=_get(obj, "free", int),
+            live_blocks=_get(obj, "live", int),
+            cached_blocks=_get(obj, "cached", int),
+            peak_live_blocks=_get(obj, "peak_live", int),
+            num_running=_get(obj, "running", int),
+            num_waiting=_get(obj, "waiting", int),
+            tenant_live_blocks=_count_map(obj, "tenant_live"),
+            preemptions=_count_map(obj, "preemptions"),
+            evictions=_get(obj, "evictions", int),
+            prefix_query_tokens=_get(obj, "prefix_query_tokens", int),
+            prefix_hit_tokens=_get(obj, "prefix_hit_tokens", int),
+            # optional: absent in reports from senders that predate it
+            incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
+        )
+
+    @classmethod
+    def from_engine_stats(
+        cls,
+        worker_id: str,
+        pool: str,
+        seq: int,
+        stats: Mapping[str, Any],
+        *,
+        tenant_live_blocks: Mapping[str, int] | None = None,
+        timestamp: float | None = None,
+        incarnation: str = "",
+    ) -> LoadReport:
+        """Build a report from ``LLMEngine.stats()``.
+
+        Accepts both the pool's short names (``total``, ``free``...) and the
+        ``*_blocks`` spellings, and preemptions either as a per-mode mapping or
+        as ``preemptions_<mode>`` keys, so the report does not break when the
+        engine's stats dict grows.
+        """
+
+        def pick(*names: str, default: int = 0) -> int:
+            for name in names:
+                if name in stats and stats[name] is not None:
+                    return int(stats[name])
+            return default
+
+        raw_preemptions = stats.get("preemptions")
+        if isinstance(raw_preemptions, Mapping):
+            preemptions = {str(k): int(v) for k, v in raw_preemptions.items()}
+        else:
+            preemptions = {
+                key.removeprefix("preemptions_"): int(value)
+                for key, value in stats.items()
+                # preemptions_total is the sum of the per-mode counters, not a mode
+                if key.startswith("preemptions_") and key != "preemptions_total"
+                and isinstance(value, int)
+            }
+            if isinstance(raw_preemptions, int) and not preemptions:
+                preemptions = {"total": raw_preemptions}
+        return cls(
+            worker_id=worker_id,
+            pool=pool,
+            seq=seq,
+            timestamp=time.time() if timestamp is None else timestamp,
+            total_blocks=pick("total", "total_blocks", "num_blocks"),
+            free_blocks=pick("free", "free_blocks"),
+            live_blocks=pick("live", "live_blocks"),
+            cached_blocks=pick("cached", "cached_blocks"),
+            peak_live_blocks=pick("peak_live", "peak_live_blocks"),
+            num_running=pick("num_running", "running"),
+            num_waiting=pick("num_waiting", "waiting"),
+            tenant_live_blocks=dict(tenant_live_blocks or stats.get("tenant_live_blocks") or {}),
+            preemptions=preemptions,
+            evictions=pick("evictions"),
+            prefix_query_tokens=pick("prefix_query_tokens"),
+            prefix_hit_tokens=pick("prefix_hit_tokens"),
+            incarnation=incarnation,
+        )
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """The KV events one worker drained since its previous batch.
+
+    ``events`` keeps the pool's drain order, which matters: a hash can be
+    stored, removed and stored again within one batch. ``reset`` tells the
+    receiver to forget everything it indexed for this worker first (sent by a
+    worker that (re)started with an empty cache).
+    """
+
+    worker_id: str
+    seq: int
+    events: tuple[tuple[str, bytes], ...] = ()
+    reset: bool = False
+
+    def __post_init__(self) -> None:
+        for kind, _ in self.events:
+            if kind not in _KV_EVENT_TYPES:
+                raise ValueError(f"KV event type must be 'stored' or 'removed', got {kind!r}")
+
+    @classmethod
+    def from_engine(
+        cls,
+        worker_id: str,
+        seq: int,
+        events: Iterable[tuple[str, bytes]],
+        *,
+        reset: bool = False,
+    ) -> KVEventBatch:
+        """Wrap ``engine.drain_kv_events()`` output."""
+        return cls(worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset)
+
+    def encode(self) -> bytes:
+        """msgpack bytes; events as two parallel arrays to keep the message small."""
+        return msgpack.packb(
+            {
+                "v": WIRE_VERSION,
+                "kind": _KV_KIND,
+                "worker_id": self.worker_id,
+                "seq": self.seq,
+                "reset": self.reset,
+                # 1 = stored, 0 = removed: a byte per event instead of a string
+                "ops": bytes(1 if kind == "stored" else 0 for kind, _ in self.events),
+                "hashes": [h for _, h in self.events],
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVEventBatch:
+        """Parse bytes from :meth:`encode`; raises EventDecodeError on anything else."""
+        return cls._from_obj(_unpack(data, _KV_KIND))
+
+    @classmethod
+    def _from_obj(cls, obj: Mapping[str, Any]) -> KVEventBatch:
+        ops = _get(obj, "ops", bytes)
+        hashes = _get(obj, "hashes", list)
+        if len(ops) != len(hashes):
+            raise EventDecodeError(f"{len(ops)} event types for {len(hashes)} hashes")
+        if any(op not in (0, 1) for op in ops):
+            raise EventDecodeError("event types must be 0 (removed) or 1 (stored)")
+        if not all(isinstance(h, bytes) for h in hashes):
+            raise EventDecodeError("block hashes must be bytes")
+        events = tuple(("stored" if op else "removed", h) for op, h in zip(ops, hashes, strict=True))
+        return cls(
+            worker_id=_get(obj, "worker_id", str),
+            seq=_get(obj, "seq", int),
+            events=events,
+            reset=_get(obj, "reset", bool),
+        )
+
+
+def decode_message(data: bytes) -> LoadReport | KVEventBatch:
+    """Decode either message kind; raises EventDecodeError on garbage or unknown kinds."""
+    obj = _unpack(data, None)
+    kind = obj.get("kind")
+    if kind == _LOAD_KIND:
+        return LoadReport._from_obj(obj)
+    if kind == _KV_KIND:
+        return KVEventBatch._from_obj(obj)
+    raise EventDecodeError(f"unknown message kind {kind!r}")

@@ -1,0 +1,217 @@
+"""Random operation sequences against a simple model of the pool (hypothesis state machine).
+
+The machine drives real `BlockPool`/`BlockTable` objects through new sequences
+(with prefix lookups), appends (with copy-on-write), forks, frees and explicit
+evictions, writes each token id into a simulated KV store at the slots the
+tables hand out, and after every step checks the pool against a model:
+
+- ref counts equal the number of tables holding each block;
+- every sequence reads back its own tokens through its block table (so no write
+  ever lands in a block another sequence still sees);
+- every registered hash points at a block holding exactly the tokens it was
+  computed from (a prefix hit can never return wrong KV);
+- cached blocks are evicted in LRU order (release order, tail blocks first),
+  and only when no never-hashed free block is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
+from pagefleet.worker.block_table import BlockTable
+from pagefleet.worker.prefix_hash import extend_block_hashes, hash_token_blocks
+
+BS = 4
+NUM_BLOCKS = 12
+SYSTEM_PROMPTS = [[], [7, 7, 7, 7, 8, 8, 8, 8], [9, 9, 9, 9]]
+
+
+@dataclass
+class Seq:
+    table: BlockTable
+    tokens: list[int]
+    salt: str
+    hashes: list[bytes]  # chained hashes of the full blocks seen so far
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, BS)
+        self.kv: list[int | None] = [None] * (NUM_BLOCKS * BS)
+        self.seqs: list[Seq] = []
+        # The model: which block holds each registered hash and what that block
+        # must contain; the cached (ref 0) ones in LRU order; evictions so far.
+        self.registry: dict[bytes, int] = {}
+        self.contents: dict[bytes, tuple[int, ...]] = {}
+        self.lru: OrderedDict[bytes, int] = OrderedDict()
+        self.evictions = 0
+
+    # ------------------------------------------------------------ model helpers
+
+    def model_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for seq in self.seqs:
+            for b in seq.table.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def allocate_through(self, seq: Seq, n: int) -> bool:
+        """append_slots(n) on `seq`, checking eviction and all-or-nothing against the model."""
+        needed = seq.table.blocks_needed(n)
+        before = (list(seq.table.block_ids), seq.table.num_tokens, self.pool.stats())
+        free_before = before[2].free
+        try:
+            result = seq.table.append_slots(n)
+        except NoFreeBlocks:
+            assert needed > free_before + len(self.lru)
+            assert (seq.table.block_ids, seq.table.num_tokens, self.pool.stats()) == before
+            return False
+        to_evict = max(0, needed - free_before)
+        for _ in range(to_evict):
+            h, _block = self.lru.popitem(last=False)
+            assert not self.pool.is_cached(h), "a cached block was evicted out of LRU order"
+            del self.registry[h]
+            del self.contents[h]
+        self.evictions += to_evict
+        for src, dst in result.copies:  # copy-on-write, before the new tokens land
+            self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS]
+        return True
+
+    def write_and_register(self, seq: Seq, new_tokens: list[int], start: int) -> None:
+        for i, token in enumerate(new_tokens):
+            self.kv[seq.table.slot(start + i)] = token
+        new_hashes = extend_block_hashes(seq.hashes, seq.tokens, BS, salt=seq.salt)
+        for i, h in enumerate(new_hashes, start=len(seq.hashes)):
+            block = seq.table.block_ids[i]
+            registered = self.pool.register(block, h)
+            assert registered == (h not in self.registry)
+            if registered:
+                self.registry[h] = block
+                self.contents[h] = tuple(seq.tokens[i * BS : (i + 1) * BS])
+        seq.hashes.extend(new_hashes)
+
+    def release(self, seq: Seq) -> None:
+        blocks = list(seq.table.block_ids)
+        seq.table.free()
+        self.seqs.remove(seq)
+        refs = self.model_refs()
+        for b in reversed(blocks):  # the pool releases tail first: that is the LRU order
+            h = self.pool.block_hash(b)
+            if refs.get(b, 0) == 0 and h is not None:
+                self.lru[h] = b
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(
+        system=st.sampled_from(SYSTEM_PROMPTS),
+        suffix=st.lists(st.integers(0, 1), max_size=9),
+        salt=st.sampled_from(["a", "b"]),
+    )
+    def new_sequence(self, system: list[int], suffix: list[int], salt: str) -> None:
+        tokens = system + suffix
+        if not tokens:
+            return
+        hashes = hash_token_blocks(tokens, BS, salt=salt)
+        expected_hits = 0
+        for h in hashes:
+            if h not in self.registry:
+                break
+            expected_hits += 1
+        hits = self.pool.lookup(hashes)
+        assert hits == [self.registry[h] for h in hashes[:expected_hits]]
+        for h in hashes[:expected_hits]:
+            self.lru.pop(h, None)  # revived: out of the free queue
+        seq = Seq(BlockTable(self.pool), tokens, salt, hashes[:expected_hits])
+        seq.table.append_cached(hits)
+        self.seqs.append(seq)
+        cached_tokens = seq.table.num_tokens
+        if not self.allocate_through(seq, len(tokens) - cached_tokens):
+            self.release(seq)  # admission failed: give the prefix hits back
+            return
+        self.write_and_register(seq, tokens[cached_tokens:], cached_tokens)
+
+    @precondition(lambda self: self.seqs)
+    @rule(
+        pick=st.integers(0, 10**6), new_tokens=st.lists(st.integers(0, 1), min_size=1, max_size=6)
+    )
+    def append(self, pick: int, new_tokens: list[int]) -> None:
+        seq = self.seqs[pick % len(self.seqs)]
+        start = seq.table.num_tokens
+        if not self.allocate_through(seq, len(new_tokens)):
+            return
+        seq.tokens.extend(new_tokens)
+        self.write_and_register(seq, new_tokens, start)
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=st.integers(0, 10**6))
+    def fork(self, pick: int) -> None:
+        parent = self.seqs[pick % len(self.seqs)]
+        child = Seq(parent.table.fork(), list(parent.tokens), parent.salt, list(parent.hashes))
+        self.seqs.append(child)
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=st.integers(0, 10**6))
+    def free(self, pick: int) -> None:
+        self.release(self.seqs[pick % len(self.seqs)])
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n: int) -> None:
+        expected = min(n, len(self.lru))
+        assert self.pool.evict_cached(n) == expected
+        for _ in range(expected):
+            h, _block = self.lru.popitem(last=False)
+            del self.registry[h]
+            del self.contents[h]
+        self.evictions += expected
+
+    # ------------------------------------------------------------- invariants
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        self.pool.check_integrity()
+
+    @invariant()
+    def ref_counts_match_the_tables(self) -> None:
+        refs = self.model_refs()
+        for b in range(NUM_BLOCKS):
+            assert self.pool.ref_count(b) == refs.get(b, 0)
+        stats = self.pool.stats()
+        assert stats.live == len(refs)
+        assert stats.cached == len(self.lru)
+        assert stats.evictions == self.evictions
+
+    @invariant()
+    def every_sequence_reads_back_its_own_tokens(self) -> None:
+        for seq in self.seqs:
+            assert seq.table.num_tokens == len(seq.tokens)
+            assert [self.kv[seq.table.slot(p)] for p in range(len(seq.tokens))] == seq.tokens
+
+    @invariant()
+    def every_registered_hash_points_at_its_tokens(self) -> None:
+        for h, block in self.registry.items():
+            assert self.pool.is_cached(h) and self.pool.block_hash(block) == h
+            assert tuple(self.kv[block * BS : (block + 1) * BS]) == self.contents[h]
+        for h, block in self.lru.items():
+            assert self.pool.ref_count(block) == 0 and self.registry[h] == block
+
+    def teardown(self) -> None:
+        for seq in list(self.seqs):
+            self.release(seq)
+        self.pool.check_integrity()
+        stats = self.pool.stats()
+        assert stats.live == 0
+        assert stats.free + stats.cached == stats.total == NUM_BLOCKS
+        assert stats.cached == len(self.lru)
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_block_manager_state_machine = BlockManagerMachine.TestCase

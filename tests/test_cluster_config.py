@@ -1,0 +1,154 @@
+"""Cluster config: YAML loading, validation messages with the field path, tenant lookup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagefleet.cluster.config import ClusterConfig, ConfigError, PoolConfig, parse_bytes
+from pagefleet.worker.config import EngineConfig
+
+MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "pagefleet.yaml"
+
+
+def config(**top: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"pools": [{"name": "chat"}]}
+    data.update(top)
+    return data
+
+
+def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret")
+    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret")
+    cfg = ClusterConfig.from_yaml(MANIFEST)
+    assert len(cfg.pools) == 2
+    assert len(cfg.tenants) >= 2
+    assert cfg.tenant_for_api_key("acme-secret") is not None
+
+
+def test_default_config_is_one_open_pool_of_two_workers() -> None:
+    cfg = ClusterConfig.default()
+    assert [(p.name, p.workers, p.model) for p in cfg.pools] == [("default", 2, "tiny")]
+    assert cfg.tenant_for_api_key(None) == cfg.tenant("default")
+    assert not cfg.auth_required
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (config(pools=[{"name": "chat", "workers": 0}]), "pools[0].workers: must be >= 1, got 0"),
+        (config(pools=[{"name": "a"}, {"name": "b", "block_size": 12}]), "pools[1].block_size: must be a power of two"),
+        (config(pools=[{"name": "chat", "workers": "two"}]), "pools[0].workers: must be int, got str"),
+        (config(pools=[{"name": "chat", "wrkers": 2}]), "pools[0].wrkers: unknown field"),
+        (config(pools=[{"workers": 2}]), "pools[0].name: is required"),
+        (config(pools=[{"name": "chat", "kv_memory": "lots"}]), "pools[0].kv_memory_bytes: expected a byte size"),
+        (config(pools=[{"name": "chat", "dtype": "int8"}]), "pools[0].dtype: must be one of"),
+        (config(pools=[{"name": "a"}, {"name": "a"}]), "pools[1].name: duplicate pool name 'a'"),
+        (config(pools=[]), "pools: must list at least one pool"),
+        ({"tenants": []}, "pools: must be a list"),
+        (config(tenants=[{"name": "t", "pool": "nope"}]), "tenants[0].pool: unknown pool 'nope'"),
+        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k"}, {"name": "u", "pool": "chat", "api_key": "k"}]), "tenants[1].api_key: two tenants share"),
+        (config(tenants=[{"name": "t", "pool": "chat"}, {"name": "u", "pool": "chat"}]), "tenants: at most one tenant may have no API key"),
+        (config(router={"policy": "random"}), "router.policy: must be one of prefix_affinity"),
+        (config(router={"w_load": -1}), "router.w_load: must be >= 0, got -1"),
+        (config(scheduler={"wait_queue_size": -5}), "scheduler.wait_queue_size: must be >= 0, got -5"),
+        (config(scheduler={"report_interval_s": 2.0, "report_timeout_s": 1.0}), "scheduler.report_timeout_s: must be > report_interval_s"),
+        (config(server={"grpc_port": 70000}), "server.grpc_port: must be in [0, 65535], got 70000"),
+        (config(extra=1), "extra: unknown field"),
+    ],
+)  # fmt: skip
+def test_invalid_config_names_the_field_and_reason(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_dict(data)
+    assert str(info.value).startswith(message)
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("pools: [name: {")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        ClusterConfig.from_yaml(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        ClusterConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("T_KEY", "s3cret")
+    cfg = ClusterConfig.from_dict(
+        config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
+    )
+    assert cfg.tenant_for_api_key("s3cret") == cfg.tenant("t")
+
+
+def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("T_KEY", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"tenants\[0\].api_key_env: environment variable T_KEY is not set"
+    ):
+        ClusterConfig.from_dict(
+            config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
+        )
+
+
+def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() -> None:
+    cfg = ClusterConfig.from_dict(config(tenants=[{"name": "t", "pool": "chat", "api_key": "k1"}]))
+    assert cfg.auth_required
+    assert cfg.tenant_for_api_key("k2") is None
+    assert cfg.tenant_for_api_key(None) is None
+
+
+def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:
+    cfg = ClusterConfig.from_dict(
+        config(
+            tenants=[
+                {"name": "a", "pool": "chat", "api_key": "ka"},
+                {"name": "b", "pool": "chat", "api_key": "kb"},
+                {"name": "c", "pool": "chat", "api_key": "kc", "salt": "fixed"},
+            ]
+        )
+    )
+    assert cfg.tenant("a").cache_salt() != cfg.tenant("b").cache_salt()
+    assert cfg.tenant("c").cache_salt() == "fixed"
+
+
+def test_memory_sizes_accept_units() -> None:
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes(4096) == 4096
+    cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_memory": "1GiB"}]))
+    assert cfg.pool("chat").kv_memory_bytes == 2**30
+
+
+def test_engine_kwargs_build_an_engine_config() -> None:
+    pool = PoolConfig("chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
+    engine = EngineConfig(**pool.engine_kwargs(device="cpu"))
+    assert (engine.block_size, engine.num_kv_blocks, engine.max_num_seqs) == (32, 128, 8)
+
+
+def test_engine_kwargs_leave_unset_limits_to_the_engine() -> None:
+    kwargs = PoolConfig("chat").engine_kwargs(device="cpu")
+    assert "max_num_seqs" not in kwargs
+    assert EngineConfig(**kwargs).max_num_seqs == EngineConfig().max_num_seqs
+
+
+def test_cli_overrides_apply_to_every_pool_and_are_validated() -> None:
+    cfg = ClusterConfig.from_dict({"pools": [{"name": "a"}, {"name": "b"}]})
+    assert [p.workers for p in cfg.with_overrides(workers=3).pools] == [3, 3]
+    with pytest.raises(ConfigError, match=r"pools\[0\].workers: must be >= 1"):
+        cfg.with_overrides(workers=0)
+
+
+def test_router_weights_come_from_yaml() -> None:
+    cfg = ClusterConfig.from_dict(config(router={"policy": "round_robin", "w_prefill": 2}))
+    assert cfg.router.policy == "round_robin"
+    assert cfg.router.w_prefill == 2.0
+
+
+def test_unknown_pool_lookup_raises_key_error() -> None:
+    with pytest.raises(KeyError):
+        ClusterConfig.default().pool("nope")

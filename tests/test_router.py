@@ -1,0 +1,377 @@
+"""Router: prefix matching from KV events, the cost with its imbalance guard, and the baselines."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.cluster.router import NoWorkerAvailable, Router, RouterConfig
+from pagefleet.scheduler.state import ClusterView, WorkerInfo, WorkerView
+from pagefleet.worker.prefix_hash import hash_token_blocks
+
+BS = 16
+SYSTEM_A = list(range(1000, 1000 + 8 * BS))  # 8 full blocks
+SYSTEM_B = list(range(5000, 5000 + 8 * BS))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_router(n: int = 3, *, seed: int = 0, **cfg: object) -> tuple[Router, list[str]]:
+    cfg.setdefault("speculative_ttl_s", 0.0)  # most tests look at KV events alone
+    router = Router(RouterConfig(**cfg), seed=seed, clock=FakeClock())  # type: ignore[arg-type]
+    ids = [f"w{i}" for i in range(n)]
+    for wid in ids:
+        router.add_worker(wid, "chat", block_size=BS)
+    return router, ids
+
+
+_seq: Counter[str] = Counter()
+
+
+def store(router: Router, worker_id: str, hashes: list[bytes]) -> None:
+    _seq[worker_id] += 1
+    router.apply_kv_events(
+        KVEventBatch(worker_id, _seq[worker_id], tuple(("stored", h) for h in hashes))
+    )
+
+
+def remove(router: Router, worker_id: str, hashes: list[bytes]) -> None:
+    _seq[worker_id] += 1
+    router.apply_kv_events(
+        KVEventBatch(worker_id, _seq[worker_id], tuple(("removed", h) for h in hashes))
+    )
+
+
+def load(router: Router, worker_id: str, live: int, *, waiting: int = 0, seq: int = 1) -> None:
+    router.apply_load_report(
+        LoadReport(
+            worker_id, "chat", seq, 0.0, 1000, 1000 - live, live, 0, live, num_waiting=waiting
+        )
+    )
+
+
+def prompt(system: list[int], suffix: int = 0) -> list[int]:
+    return system + [suffix] * (2 * BS + 3)
+
+
+def test_routes_to_the_worker_holding_the_prefix() -> None:
+    router, _ = make_router()
+    store(router, "w2", hash_token_blocks(SYSTEM_A, BS))
+    decision = router.route("chat", prompt(SYSTEM_A))
+    assert decision.worker_id == "w2"
+    assert decision.matched_blocks == 8
+    assert decision.prompt_blocks == 10
+
+
+def test_longest_cached_prefix_wins() -> None:
+    router, _ = make_router()
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w0", hashes[:3])
+    store(router, "w1", hashes[:6])
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_match_must_start_at_the_first_block() -> None:
+    router, _ = make_router()
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w1", hashes[1:])
+    assert router.matched_blocks("w1", hashes) == 0
+
+
+def test_evicted_middle_block_ends_the_match() -> None:
+    router, _ = make_router()
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w0", hashes)
+    remove(router, "w0", [hashes[4]])
+    assert router.matched_blocks("w0", hashes) == 4
+
+
+def test_removed_events_take_away_affinity() -> None:
+    router, _ = make_router(2)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w1", hashes)
+    remove(router, "w1", hashes)
+    assert router.route("chat", prompt(SYSTEM_A)).matched_blocks == 0
+
+
+def test_reset_batch_clears_a_workers_index() -> None:
+    router, _ = make_router(2)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w0", hashes)
+    router.apply_kv_events(KVEventBatch("w0", 0, (), reset=True))
+    assert router.num_indexed("w0") == 0
+    assert router.matched_blocks("w0", hashes) == 0
+
+
+def test_same_salt_hits_and_other_salt_misses() -> None:
+    router, _ = make_router(2)
+    store(router, "w1", hash_token_blocks(SYSTEM_A, BS, salt="acme"))
+    acme = router.block_hashes("chat", prompt(SYSTEM_A), salt="acme")
+    globex = router.block_hashes("chat", prompt(SYSTEM_A), salt="globex")
+    assert router.matched_blocks("w1", acme) == 8
+    assert router.matched_blocks("w1", globex) == 0
+
+
+def test_overloaded_worker_loses_its_affinity() -> None:
+    router, _ = make_router(2, imbalance_ratio=1.5, imbalance_slack_blocks=16, w_load=0.0)
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS))
+    load(router, "w0", 500)
+    load(router, "w1", 10)
+    decision = router.route("chat", prompt(SYSTEM_A))
+    assert decision.worker_id == "w1"
+
+
+def test_imbalance_guard_applies_per_candidate_not_fleet_wide() -> None:
+    router, _ = make_router(3, imbalance_ratio=1.5, imbalance_slack_blocks=16, w_load=0.0)
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS))
+    store(router, "w1", hash_token_blocks(SYSTEM_B, BS))
+    load(router, "w0", 500)  # overloaded: loses affinity
+    load(router, "w1", 20)  # within the guard: keeps it
+    load(router, "w2", 5)
+    decision = router.route("chat", prompt(SYSTEM_B))
+    assert decision.worker_id == "w1"
+    assert decision.matched_blocks == 8
+
+
+def test_load_outweighs_a_small_prefix_match() -> None:
+    router, _ = make_router(2, imbalance_slack_blocks=1000)
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS)[:2])
+    load(router, "w0", 100)
+    load(router, "w1", 0)
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_waiting_requests_add_to_the_cost() -> None:
+    router, _ = make_router(2, w_queue=8.0)
+    load(router, "w0", 10, waiting=5)
+    load(router, "w1", 30, waiting=0)
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_decision_reports_its_cost() -> None:
+    router, _ = make_router(1, w_prefill=2.0, w_load=1.0, w_queue=0.0)
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS)[:5])
+    load(router, "w0", 7)
+    decision = router.route("chat", prompt(SYSTEM_A))
+    assert decision.cost == pytest.approx(2.0 * (10 - 5) + 7)
+    assert decision.num_candidates == 1
+    assert decision.policy == "prefix_affinity"
+
+
+def test_ties_are_broken_at_random_and_reproducibly_with_a_seed() -> None:
+    def choices(seed: int) -> list[str]:
+        router, _ = make_router(8, seed=seed, w_load=0.0, w_queue=0.0)
+        return [router.route("chat", prompt(SYSTEM_A, i)).worker_id for i in range(40)]
+
+    assert choices(1) == choices(1)
+    assert len(set(choices(1))) > 1
+
+
+def test_round_robin_cycles_through_live_workers() -> None:
+    router, _ = make_router(3, policy="round_robin")
+    router.set_alive("w1", False)
+    picked = [router.route("chat", prompt(SYSTEM_A)).worker_id for _ in range(4)]
+    assert picked == ["w0", "w2", "w0", "w2"]
+
+
+def test_round_robin_ignores_the_cache() -> None:
+    router, _ = make_router(3, policy="round_robin")
+    store(router, "w2", hash_token_blocks(SYSTEM_A, BS))
+    picked = {router.route("chat", prompt(SYSTEM_A)).worker_id for _ in range(3)}
+    assert picked == {"w0", "w1", "w2"}
+
+
+def test_least_loaded_picks_the_lightest_worker() -> None:
+    router, _ = make_router(3, policy="least_loaded")
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS))
+    load(router, "w0", 50)
+    load(router, "w1", 5)
+    load(router, "w2", 30)
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_power_of_two_picks_the_lighter_of_its_pair() -> None:
+    router, _ = make_router(2, policy="power_of_two")
+    load(router, "w0", 80)
+    load(router, "w1", 5)
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_policy_can_be_chosen_per_call() -> None:
+    router, _ = make_router(2)
+    assert router.route("chat", prompt(SYSTEM_A), policy="round_robin").policy == "round_robin"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        router.route("chat", prompt(SYSTEM_A), policy="random")
+
+
+def test_empty_pool_raises_no_worker_available() -> None:
+    router, _ = make_router(1)
+    with pytest.raises(NoWorkerAvailable, match="'other'") as info:
+        router.route("other", prompt(SYSTEM_A))
+    assert info.value.pool == "other"
+
+
+def test_dead_pool_raises_no_worker_available() -> None:
+    router, ids = make_router(2)
+    for wid in ids:
+        router.set_alive(wid, False)
+    with pytest.raises(NoWorkerAvailable):
+        router.route("chat", prompt(SYSTEM_A))
+
+
+def test_excluded_worker_is_not_chosen() -> None:
+    router, _ = make_router(2)
+    store(router, "w0", hash_token_blocks(SYSTEM_A, BS))
+    assert router.route("chat", prompt(SYSTEM_A), exclude={"w0"}).worker_id == "w1"
+
+
+def test_removed_worker_takes_its_index_with_it() -> None:
+    router, _ = make_router(2)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    store(router, "w0", hashes)
+    router.remove_worker("w0")
+    router.add_worker("w0", "chat", block_size=BS)
+    assert router.matched_blocks("w0", hashes) == 0
+    assert router.workers("chat") == ["w1", "w0"]
+
+
+def test_a_pool_keeps_one_block_size() -> None:
+    router, _ = make_router(1)
+    with pytest.raises(ValueError, match="block_size 16"):
+        router.add_worker("w9", "chat", block_size=32)
+
+
+def test_routed_prefix_is_sticky_before_the_workers_events_arrive() -> None:
+    router, _ = make_router(4, speculative_ttl_s=5.0)
+    first = router.route("chat", prompt(SYSTEM_A, 1))
+    follower = router.route("chat", prompt(SYSTEM_A, 2))
+    assert follower.worker_id == first.worker_id
+    assert follower.matched_blocks == 8
+
+
+def test_speculative_entries_expire() -> None:
+    clock = FakeClock()
+    router = Router(RouterConfig(speculative_ttl_s=2.0), seed=0, clock=clock)
+    router.add_worker("w0", "chat", block_size=BS)
+    hashes = router.block_hashes("chat", prompt(SYSTEM_A))
+    router.route_hashes("chat", hashes)
+    assert router.matched_blocks("w0", hashes) == 10
+    clock.now = 3.0
+    assert router.matched_blocks("w0", hashes) == 0
+
+
+def test_stored_event_confirms_a_speculative_entry_past_its_expiry() -> None:
+    clock = FakeClock()
+    router = Router(RouterConfig(speculative_ttl_s=2.0), seed=0, clock=clock)
+    router.add_worker("w0", "chat", block_size=BS)
+    hashes = router.block_hashes("chat", prompt(SYSTEM_A))
+    router.route_hashes("chat", hashes)
+    store(router, "w0", hashes[:8])
+    clock.now = 3.0
+    assert router.matched_blocks("w0", hashes) == 8
+
+
+def test_routing_counts_as_load_until_the_next_report() -> None:
+    router, _ = make_router(2, policy="least_loaded")
+    load(router, "w0", 0, seq=1)
+    load(router, "w1", 0, seq=1)
+    first = router.route("chat", prompt(SYSTEM_A)).worker_id
+    second = router.route("chat", prompt(SYSTEM_A)).worker_id
+    assert first != second
+
+
+def test_older_load_report_is_ignored() -> None:
+    router, _ = make_router(2, policy="least_loaded")
+    load(router, "w0", 100, seq=5)
+    load(router, "w0", 0, seq=4)
+    load(router, "w1", 50, seq=1)
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_apply_message_decodes_both_kinds() -> None:
+    router, _ = make_router(2, policy="least_loaded")
+    router.apply_message(LoadReport("w0", "chat", 1, 0.0, 100, 10, 90, 0, 90).encode())
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    router.apply_message(KVEventBatch("w0", 1, tuple(("stored", h) for h in hashes)).encode())
+    assert router.matched_blocks("w0", hashes) == 8
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
+
+
+def test_kv_event_gap_is_counted() -> None:
+    router, _ = make_router(1)
+    router.apply_kv_events(KVEventBatch("w0", 1))
+    router.apply_kv_events(KVEventBatch("w0", 3))
+    assert router.index_gaps == 1
+
+
+def _view(generation: int, *workers: tuple[str, bool]) -> ClusterView:
+    return ClusterView(
+        generation,
+        1,
+        tuple(WorkerView(WorkerInfo(w, "chat", 100, BS), alive, None, 0.0) for w, alive in workers),
+    )
+
+
+def test_view_adds_workers_and_sets_liveness() -> None:
+    router = Router(seed=0)
+    router.apply_view(_view(1, ("a", True), ("b", False)))
+    assert router.workers("chat") == ["a", "b"]
+    assert router.workers("chat", alive_only=True) == ["a"]
+
+
+def test_view_without_a_worker_keeps_routing_to_it() -> None:
+    router = Router(seed=0)
+    router.apply_view(_view(1, ("a", True)))
+    router.apply_view(_view(2))  # a restarted scheduler, before re-registration
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "a"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 7)),  # worker, stored?, block
+        max_size=80,
+    )
+)
+def test_index_matches_a_naive_per_worker_set(ops: list[tuple[int, bool, int]]) -> None:
+    router, ids = make_router(4)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    naive: dict[str, set[bytes]] = {wid: set() for wid in ids}
+    for seq, (w, stored, block) in enumerate(ops, start=1):
+        wid, h = ids[w], hashes[block]
+        router.apply_kv_events(KVEventBatch(wid, seq, (("stored" if stored else "removed", h),)))
+        (naive[wid].add if stored else naive[wid].discard)(h)
+    for wid in ids:
+        expected = 0
+        while expected < len(hashes) and hashes[expected] in naive[wid]:
+            expected += 1
+        assert router.matched_blocks(wid, hashes) == expected
+    best = max(router.matched_blocks(wid, hashes) for wid in ids)
+    assert router.route_hashes("chat", hashes).matched_blocks == best
+
+
+def test_restarted_worker_reports_count_again_after_its_reset_batch() -> None:
+    router, _ = make_router(2, policy="least_loaded")
+    load(router, "w0", 500, seq=40)  # before the crash
+    load(router, "w1", 100, seq=1)
+    router.apply_kv_events(KVEventBatch("w0", 0, (), reset=True))
+    load(router, "w0", 0, seq=1)  # the new process counts from 1 again
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w0"
+
+
+def test_report_from_a_new_incarnation_replaces_the_old_one() -> None:
+    router, _ = make_router(2, policy="least_loaded")
+    router.apply_load_report(LoadReport("w0", "chat", 40, 0.0, 1000, 500, 500, 0, 500, incarnation="a"))
+    router.apply_load_report(LoadReport("w1", "chat", 1, 0.0, 1000, 900, 100, 0, 100, incarnation="x"))
+    router.apply_load_report(LoadReport("w0", "chat", 1, 0.0, 1000, 1000, 0, 0, 0, incarnation="b"))
+    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w0"

@@ -1,0 +1,149 @@
+"""ClusterState: registration, reports, liveness by deadline, capacity and snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet.worker.events import EventDecodeError, LoadReport
+from pagefleet.scheduler.state import ClusterState, WorkerInfo
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(worker_id: str, seq: int = 1, *, free: int = 40, pool: str = "chat") -> LoadReport:
+    return LoadReport(worker_id, pool, seq, 0.0, 100, free, 100 - free - 10, 10, 60, num_running=2)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> ClusterState:
+    s = ClusterState(report_timeout_s=3.0, generation=7, clock=clock)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.register_worker(WorkerInfo("w1", "chat", 100))
+    s.register_worker(WorkerInfo("b0", "batch", 50))
+    return s
+
+
+def test_registration_returns_the_generation_and_is_idempotent(state: ClusterState) -> None:
+    assert state.register_worker(WorkerInfo("w0", "chat", 100)) == 7
+    assert state.workers("chat") == ["w0", "w1"]
+
+
+def test_worker_cannot_move_pools_by_registering_again(state: ClusterState) -> None:
+    with pytest.raises(ValueError, match="registered in pool 'chat'"):
+        state.register_worker(WorkerInfo("w0", "batch", 100))
+
+
+def test_fresh_state_gets_a_random_generation() -> None:
+    assert ClusterState().generation != ClusterState().generation
+
+
+def test_report_from_unknown_worker_asks_it_to_register(state: ClusterState) -> None:
+    assert state.report(report("ghost")) is False
+
+
+def test_latest_report_is_kept(state: ClusterState) -> None:
+    assert state.report(report("w0", 1, free=40))
+    assert state.report(report("w0", 2, free=30))
+    assert state.latest_report("w0").free_blocks == 30  # type: ignore[union-attr]
+
+
+def test_out_of_order_report_is_dropped(state: ClusterState) -> None:
+    state.report(report("w0", 5, free=30))
+    state.report(report("w0", 4, free=90))
+    assert state.latest_report("w0").free_blocks == 30  # type: ignore[union-attr]
+
+
+def test_worker_that_misses_its_deadline_is_not_alive(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    clock.now += 2.0
+    state.report(report("w0"))
+    clock.now += 2.0
+    assert state.alive_workers("chat") == ["w0"]
+    assert not state.is_alive("w1")
+
+
+def test_late_report_brings_a_worker_back(state: ClusterState, clock: FakeClock) -> None:
+    clock.now += 10.0
+    assert not state.is_alive("w1")
+    state.report(report("w1"))
+    assert state.is_alive("w1")
+
+
+def test_report_bytes_decodes_msgpack(state: ClusterState) -> None:
+    assert state.report_bytes("w0", report("w0", free=12).encode())
+    assert state.latest_report("w0").free_blocks == 12  # type: ignore[union-attr]
+
+
+def test_report_bytes_refuses_garbage(state: ClusterState) -> None:
+    with pytest.raises(EventDecodeError):
+        state.report_bytes("w0", b"\x00garbage")
+
+
+def test_report_bytes_refuses_a_report_for_another_worker(state: ClusterState) -> None:
+    with pytest.raises(ValueError, match="carries worker_id 'w1'"):
+        state.report_bytes("w0", report("w1").encode())
+
+
+def test_capacity_sums_live_workers_only(state: ClusterState, clock: FakeClock) -> None:
+    state.report(report("w0", free=40))
+    state.report(report("w1", free=20))
+    clock.now += 2.0
+    state.report(report("w0", 2, free=40))
+    clock.now += 2.0  # w1 is now past its deadline
+    cap = state.capacity("chat")
+    assert (cap.workers, cap.alive) == (2, 1)
+    assert (cap.total_blocks, cap.free_blocks, cap.cached_blocks, cap.num_running) == (
+        100,
+        40,
+        10,
+        2,
+    )
+
+
+def test_capacity_counts_an_unreported_worker_as_empty(state: ClusterState) -> None:
+    cap = state.capacity("batch")
+    assert (cap.total_blocks, cap.free_blocks) == (50, 50)
+
+
+def test_view_is_a_snapshot_with_liveness_and_reports(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    state.report(report("w0"))
+    view = state.view()
+    assert view.generation == 7
+    assert view.pools() == ["chat", "batch"]
+    assert [w.worker_id for w in view.alive("chat")] == ["w0", "w1"]
+    assert view.pool("chat")[0].report == report("w0")
+    state.deregister_worker("w0")
+    assert [w.worker_id for w in view.pool("chat")] == ["w0", "w1"]  # unchanged snapshot
+
+
+def test_view_version_bumps_on_change(state: ClusterState) -> None:
+    before = state.view().version
+    state.report(report("w0"))
+    assert state.view().version > before
+
+
+def test_deregistered_worker_leaves_the_view(state: ClusterState) -> None:
+    assert state.deregister_worker("w1")
+    assert not state.deregister_worker("w1")
+    assert [w.worker_id for w in state.view().pool("chat")] == ["w0"]
+
+
+def test_re_registration_forgets_the_old_processes_report(state: ClusterState) -> None:
+    state.report(report("w0", 40, free=5))
+    state.register_worker(WorkerInfo("w0", "chat", 100))  # the worker restarted
+    state.report(report("w0", 1, free=77))
+    assert state.latest_report("w0").free_blocks == 77  # type: ignore[union-attr]
