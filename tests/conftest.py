@@ -12,3 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+if not torch.cuda.is_available():
+    # Triton sets up its CPU interpreter only if TRITON_INTERPRET is set when triton is
+    # first imported, and transformers imports triton: this must precede every test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")

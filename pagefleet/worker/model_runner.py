@@ -1,0 +1,380 @@
+"""Run a Hugging Face causal LM over the paged KV cache, one engine step at a time.
+
+The model is an ordinary transformers model whose attention is swapped for
+`pagefleet_paged` (see `paged_attention_hf`). A step packs every sequence's new
+tokens into one row, `input_ids [1, total_tokens]` with per-token
+`position_ids`, runs the base model with `use_cache=False` and the step's
+`PagedAttentionMetadata` as a keyword, and applies the LM head only to each
+sequence's last token.
+
+A model whose attention the paged path cannot reproduce is refused at load
+with `UnsupportedModelError`, never served wrongly: see `check_supported`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
+from pagefleet.worker.paged_attention_hf import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    PagedAttentionMetadata,
+    register_paged_attention,
+)
+
+# Architectures whose attention is plain causal (optionally windowed) softmax attention
+# over RoPE'd q/k, which is exactly what paged_attention computes.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+# RoPE variants whose frequencies depend on the longest position in the batch: packing
+# several sequences into one row would change one sequence's result through another.
+_BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on the paged attention path; the message says why."""
+
+
+@dataclass
+class StepBatch:
+    """One engine step, sequences in order; host lists (the runner moves them to the device)."""
+
+    input_ids: list[int]  # packed new tokens of every sequence
+    positions: list[int]  # absolute position of each packed token
+    slot_mapping: list[int]  # KV slot of each packed token
+    query_start_loc: list[int]  # [num_seqs + 1], cumulative new-token counts
+    context_lens: list[int]  # per sequence: cached + new tokens
+    block_tables: list[list[int]]  # per sequence: physical block ids
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def validate(self) -> None:
+        """Raise ValueError when the lists do not describe one consistent packed step."""
+        n, s = self.num_tokens, self.num_seqs
+        if len(self.positions) != n or len(self.slot_mapping) != n:
+            raise ValueError(
+                f"input_ids, positions and slot_mapping must have one entry per token: "
+                f"{n}, {len(self.positions)}, {len(self.slot_mapping)}"
+            )
+        if len(self.query_start_loc) != s + 1 or len(self.block_tables) != s:
+            raise ValueError(
+                f"query_start_loc needs num_seqs + 1 = {s + 1} entries (got "
+                f"{len(self.query_start_loc)}) and block_tables {s} (got {len(self.block_tables)})"
+            )
+        if self.query_start_loc[0] != 0 or self.query_start_loc[-1] != n:
+            raise ValueError(f"query_start_loc must run from 0 to num_tokens={n}")
+        for i in range(s):
+            q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            if q_len < 1 or q_len > self.context_lens[i]:
+                raise ValueError(
+                    f"sequence {i}: {q_len} new tokens with context_len {self.context_lens[i]}; "
+                    f"need 1 <= new tokens <= context_len"
+                )
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """`"tiny"` -> the built-in model (built on first use); anything else must be a local dir."""
+    if str(model) == "tiny":
+        from pagefleet.worker.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is not 'tiny' or a local directory with a config.json "
+            f"(nothing is downloaded)"
+        )
+    return path
+
+
+def check_supported(config: Any) -> tuple[int | None, ...]:
+    """Accept or refuse an HF config; return each layer's sliding window (None = full).
+
+    Raises UnsupportedModelError with the reason for: an architecture outside
+    `SUPPORTED_ARCHITECTURES`, a RoPE whose frequencies depend on the batch,
+    a layer type other than full or sliding attention, a non-positive window,
+    and a Mistral config with per-layer types (transformers' Mistral ignores them).
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    known = sorted(SUPPORTED_ARCHITECTURES)
+    if not architectures:
+        # Older configs omit `architectures`; AutoModelForCausalLM then goes by model_type.
+        by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+        if model_type not in by_type:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported on the paged attention path; "
+                f"supported: {known}"
+            )
+        architectures = [by_type[model_type]]
+    for arch in architectures:
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch} is not supported on the paged attention path; "
+                f"supported: {known}"
+            )
+        if SUPPORTED_ARCHITECTURES[arch] != model_type:
+            raise UnsupportedModelError(
+                f"architecture {arch} with model_type {model_type!r} is inconsistent; "
+                f"expected model_type {SUPPORTED_ARCHITECTURES[arch]!r}"
+            )
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type in _BATCH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} scales frequencies by the longest sequence in the batch, "
+            f"which packing would change; supported rope types exclude {_BATCH_DEPENDENT_ROPE}"
+        )
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if model_type == "llama":
+        return (None,) * num_layers
+    if model_type == "mistral":
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and len(set(layer_types)) > 1:
+            raise UnsupportedModelError(
+                "a Mistral config with mixed layer_types (alternating sliding and full "
+                "attention) is not supported: transformers' Mistral applies one window to "
+                "every layer"
+            )
+        return (_checked_window(window),) * num_layers
+    # qwen2: transformers passes config.sliding_window to the layers typed "sliding_attention".
+    windows: list[int | None] = []
+    for i, layer_type in enumerate(config.layer_types):
+        if layer_type == "full_attention":
+            windows.append(None)
+        elif layer_type == "sliding_attention":
+            windows.append(_checked_window(window))
+        else:
+            raise UnsupportedModelError(
+                f"layer {i} has attention type {layer_type!r}; supported: full_attention, "
+                f"sliding_attention"
+            )
+    return tuple(windows)
+
+
+def _checked_window(window: Any) -> int | None:
+    if window is None:
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(
+            f"sliding_window must be a positive int or None, got {window!r}"
+        )
+    return window
+
+
+class ModelRunner:
+    """Loads an HF causal LM and runs engine steps on a bound `KVCache`."""
+
+    def __init__(
+        self,
+        model: str | Path = "tiny",
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.dtype = parse_dtype(dtype)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype} not supported; use one of {_DTYPES}")
+        self.device = torch.device(device)
+        self.model_path = resolve_model_path(model)
+        # Check the config before loading any weights: a refusal should be cheap.
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        except (ValueError, KeyError) as exc:  # unknown model_type, custom code
+            raise UnsupportedModelError(
+                f"cannot read {self.model_path}/config.json: {exc}"
+            ) from exc
+        self.sliding_windows = check_supported(self.hf_config)
+        register_paged_attention()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+        # transformers types PreTrainedModel.to oddly; this is nn.Module.to.
+        self.model.to(self.device)  # type: ignore[arg-type]
+        self.model.eval()
+        self.hf_config = self.model.config
+        self._base_model = getattr(self.model, self.model.base_model_prefix)
+        self._lm_head = self.model.get_output_embeddings()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.kv_cache: KVCache | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the model's vocabulary, may exceed the tokenizer's)."""
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """EOS ids from the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        sources = (
+            getattr(self.model.generation_config, "eos_token_id", None),
+            getattr(self.hf_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        )
+        for source in sources:
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(t) for t in source)
+        return ids
+
+    @property
+    def model_shape(self) -> ModelShape:
+        """Per-token KV shape of this model in the runner's dtype."""
+        return ModelShape.from_hf_config(self.hf_config, dtype=self.dtype)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.max_position_embeddings)
+
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        """Use `kv` for every later step; its shape, dtype and device must match the model."""
+        if kv.shape != self.model_shape:
+            raise ValueError(
+                f"KV cache shape {kv.shape} does not match the model's {self.model_shape}"
+            )
+        if (kv.device.type, kv.device.index or 0) != (self.device.type, self.device.index or 0):
+            raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
+        self.kv_cache = kv
+
+    # no_grad, not inference_mode: the engine's sampler may edit the logits in place.
+    @torch.no_grad()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; return logits `[num_seqs, vocab]` of each sequence's last new token.
+
+        float32 for float32/float16/bfloat16 models, float64 for float64 models
+        (the frozen eval compares argmax in float64).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("bind_kv_cache() must be called before execute()")
+        batch.validate()
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if batch.num_seqs == 0:
+            return torch.empty((0, self.vocab_size), dtype=out_dtype, device=self.device)
+        metadata = self._metadata(batch, self.kv_cache)
+        device = self.device
+        input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([batch.positions], dtype=torch.long, device=device)
+        hidden = self._base_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            **{METADATA_KWARG: metadata},
+        ).last_hidden_state
+        last_rows = torch.tensor(batch.query_start_loc[1:], dtype=torch.long, device=device) - 1
+        logits = self._lm_head(hidden[0].index_select(0, last_rows))
+        return logits.to(out_dtype)
+
+    def _metadata(self, batch: StepBatch, kv: KVCache) -> PagedAttentionMetadata:
+        device = self.device
+        width = max(1, max(len(t) for t in batch.block_tables))
+        # Rectangular for the kernel; entries past a sequence's blocks are never read.
+        padded = [list(t) + [0] * (width - len(t)) for t in batch.block_tables]
+        q_lens = [b - a for a, b in pairwise(batch.query_start_loc)]
+        return PagedAttentionMetadata(
+            kv_cache=kv,
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+            max_query_len=max(q_lens),
+            max_context_len=max(batch.context_lens),
+            sliding_windows=self.sliding_windows,
+        )
+
+    def profile_peak_bytes(self, num_tokens: int, block_size: int = 16) -> int:
+        """Activation bytes of one forward over `num_tokens` packed tokens (excl. weights and KV).
+
+        On CUDA this runs a dummy prefill at that budget (sequences no longer than
+        `max_position_embeddings`) on a scratch KV cache and reads
+        `torch.cuda.max_memory_allocated` above the baseline. Elsewhere it returns
+        `estimate_activation_bytes`, since CPU memory has no peak counter.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be at least 1, got {num_tokens}")
+        if self.device.type != "cuda":
+            return self.estimate_activation_bytes(num_tokens)
+        lens = _split(num_tokens, self.max_position_embeddings)
+        blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+        scratch = KVCache(self.model_shape, sum(blocks_per_seq), block_size, self.device)
+        tables: list[list[int]] = []
+        next_block = 0
+        for count in blocks_per_seq:
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        batch = StepBatch(
+            input_ids=[0] * num_tokens,
+            positions=[p for n in lens for p in range(n)],
+            slot_mapping=[
+                t[p // block_size] * block_size + p % block_size
+                for t, n in zip(tables, lens, strict=True)
+                for p in range(n)
+            ],
+            query_start_loc=[0, *_cumsum(lens)],
+            context_lens=lens,
+            block_tables=tables,
+        )
+        bound = self.kv_cache
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        try:
+            self.kv_cache = scratch
+            self.execute(batch)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        finally:
+            self.kv_cache = bound
+            del scratch
+            torch.cuda.empty_cache()
+        return int(peak)
+
+    def estimate_activation_bytes(self, num_tokens: int) -> int:
+        """A closed-form upper estimate of one forward's activation bytes.
+
+        Per token, the widest point of a decoder layer holds about four copies of
+        the hidden state, q/k/v plus their rotated copies and the attention
+        output, and four MLP-wide tensors (gate, up, activation, product).
+        """
+        cfg = self.hf_config
+        shape = self.model_shape
+        q_width = int(cfg.num_attention_heads) * shape.head_dim
+        kv_width = shape.num_kv_heads * shape.head_dim
+        per_token = (
+            4 * int(cfg.hidden_size) + 3 * q_width + 4 * kv_width + 4 * int(cfg.intermediate_size)
+        )
+        return num_tokens * per_token * self.dtype.itemsize
+
+
+def _split(total: int, max_len: int) -> list[int]:
+    full, rest = divmod(total, max_len)
+    return [max_len] * full + ([rest] if rest else [])
+
+
+def _cumsum(values: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for v in values:
+        acc += v
+        out.append(acc)
+    return out
