@@ -1,0 +1,30 @@
+"""The kernel benchmark's --smoke mode runs end to end, so the script cannot rot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_benchmark_smoke_prints_a_passing_table() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    env.pop("PAGEFLEET_ATTENTION", None)
+    env.pop("PAGEFLEET_KV_SPLITS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("shape") and "paged/sdpa" in line for line in lines)
+    assert any(line.startswith("decode b4 ctx128") and " PASS " in line for line in lines)
+    assert any(line.startswith("triton interp") and " PASS " in line for line in lines)
+    assert "FAIL" not in proc.stdout
