@@ -5,7 +5,7 @@ e.g. ``pools[0].workers: must be >= 1, got 0``, so `pagefleet serve` fails at
 start instead of a worker failing later.
 
 ```yaml
-server: {grpc_port: 50051}
+server: {grpc_port: 50051, http_port: 8000}
 router: {policy: prefix_affinity, w_prefill: 1.0, w_load: 1.0}
 scheduler: {report_timeout_s: 3.0, wait_queue_size: 256}
 pools:
@@ -203,19 +203,28 @@ class SchedulerConfig:
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
 
+DEFAULT_HTTP_PORT = 8000
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where the ingress listens."""
+    """Where the ingress listens.
+
+    `grpc_port` serves `pagefleet.v1.Generation`; `http_port` the OpenAI HTTP
+    API (`null` disables it). Port 0 picks a free port.
+    """
 
     host: str = "0.0.0.0"
     grpc_port: int = 50051
-    http_port: int | None = None
+    http_port: int | None = DEFAULT_HTTP_PORT
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 _fail(name, f"must be in [0, 65535], got {port}")
+        if self.http_port and self.http_port == self.grpc_port:
+            _fail("http_port", f"must differ from grpc_port, both are {self.grpc_port}")
 
 
 @dataclass(frozen=True)

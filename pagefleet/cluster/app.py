@@ -1,0 +1,261 @@
+"""Build and start a pagefleet cluster from a `ClusterConfig`.
+
+What runs where (one Ray cluster):
+
+- `pagefleet-scheduler`: the central scheduler actor (restartable, no CPU).
+- `pagefleet-worker-<pool>-<i>`: one `WorkerActor` per GPU (CPU workers on a
+  machine without one), restartable, spread over the nodes.
+- `pagefleet-ingress`: a Ray Serve deployment (one replica) whose replica runs
+  our own `grpc.aio` server (Generation + health + reflection), the OpenAI
+  HTTP server (uvicorn) and the Prometheus endpoint, and routes to the worker
+  actors directly with the local `Router`.
+
+`start_cluster` creates all of it and returns a `RunningCluster` that knows the
+endpoints and shuts everything down again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+
+from pagefleet.cluster.config import ClusterConfig, PoolConfig
+from pagefleet.cluster.grpc_server import start_grpc_server
+from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.metrics import IngressMetrics
+from pagefleet.cluster.openai_http import HttpServer, start_http_server
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "pagefleet"
+APP_NAME = "pagefleet"
+INGRESS_NAME = "pagefleet-ingress"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+# Logical CPUs a CPU-only worker asks Ray for: two workers fit a 2-core laptop
+# next to the ingress and the scheduler (which ask for none).
+CPU_WORKER_NUM_CPUS = 0.5
+
+
+class IngressDeployment:
+    """The Serve replica: one `Ingress` behind a gRPC server, the OpenAI HTTP server and /metrics.
+
+    Serve runs this class's async constructor on the replica's event loop, so the
+    gRPC and HTTP servers, the worker polls and the Ray streaming calls share one loop.
+    """
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        config: ClusterConfig,
+        workers: dict[str, list[tuple[str, Any]]],
+        grpc_port: int,
+        metrics_port: int | None,
+        poll_interval_s: float = 0.1,
+        http_port: int | None = None,
+    ) -> None:
+        self.metrics = IngressMetrics()
+        self.ingress = Ingress(config, workers, poll_interval_s=poll_interval_s, metrics=self.metrics)
+        self.ingress.start()
+        self.server, self.grpc_port = await start_grpc_server(
+            self.ingress, config.server.host, grpc_port
+        )
+        self.http: HttpServer | None = None
+        if http_port is not None:
+            try:
+                self.http = await start_http_server(self.ingress, config.server.host, http_port)
+            except BaseException:
+                # Free the gRPC port before Serve retries the constructor.
+                await self.server.stop(grace=None)
+                await self.ingress.close()
+                raise
+        self.metrics_port = (
+            None if metrics_port is None else self.metrics.serve(metrics_port, config.server.host)
+        )
+
+    async def endpoints(self) -> dict[str, int | None]:
+        """The ports this replica bound (useful when asked for port 0)."""
+        return {
+            "grpc_port": self.grpc_port,
+            "metrics_port": self.metrics_port,
+            "http_port": None if self.http is None else self.http.port,
+        }
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Return once every worker answered (engines loaded)."""
+        await self.ingress.wait_ready(timeout_s)
+
+    async def set_router_policy(self, policy: str) -> None:
+        """Switch the routing policy (prefix_affinity, round_robin, least_loaded, power_of_two)."""
+        self.ingress.set_router_policy(policy)
+
+    async def check_health(self) -> None:
+        """Serve's health probe: the ingress is healthy while its gRPC (and HTTP) servers run."""
+        if self.server is None:
+            raise RuntimeError("gRPC server stopped")
+        if self.http is not None and not self.http.running:
+            raise RuntimeError("OpenAI HTTP server stopped")
+
+    async def __del__(self) -> None:
+        if self.http is not None:
+            await self.http.stop(timeout_s=1.0)
+        await self.ingress.close()
+        await self.server.stop(grace=1.0)
+
+
+@dataclass
+class RunningCluster:
+    """Handles of a started cluster; `shutdown()` stops what `start_cluster` started."""
+
+    config: ClusterConfig
+    grpc_port: int
+    metrics_port: int | None
+    workers: dict[str, list[tuple[str, Any]]]
+    scheduler: Any
+    host: str = "127.0.0.1"
+    started_ray: bool = False
+    ingress: Any = field(default=None, repr=False)
+    http_port: int | None = None
+
+    @property
+    def grpc_target(self) -> str:
+        """`host:port` for gRPC clients on this machine."""
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI HTTP API (`.../v1/completions`), None when disabled."""
+        return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
+
+    def worker_handle(self, worker_id: str) -> Any:
+        for pool_workers in self.workers.values():
+            for wid, handle in pool_workers:
+                if wid == worker_id:
+                    return handle
+        raise KeyError(worker_id)
+
+    def shutdown(self) -> None:
+        """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
+        try:
+            serve.shutdown()
+        except Exception:  # shutting down anyway
+            logger.exception("serve shutdown failed")
+        for pool_workers in self.workers.values():
+            for _, handle in pool_workers:
+                ray.kill(handle, no_restart=True)
+        if self.scheduler is not None:
+            ray.kill(self.scheduler, no_restart=True)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def worker_resources(pool: PoolConfig, cluster_gpus: float) -> tuple[float, float]:
+    """(num_cpus, num_gpus) one worker of `pool` asks Ray for."""
+    if pool.num_gpus_per_worker is not None:
+        num_gpus = pool.num_gpus_per_worker
+    elif pool.device == "cpu":
+        num_gpus = 0.0
+    else:
+        num_gpus = 1.0 if cluster_gpus > 0 else 0.0
+    return (1.0 if num_gpus > 0 else CPU_WORKER_NUM_CPUS), num_gpus
+
+
+def start_cluster(
+    config: ClusterConfig,
+    *,
+    address: str | None = None,
+    grpc_port: int | None = None,
+    http_port: int | None = None,
+    metrics_port: int | None = 0,
+    poll_interval_s: float = 0.1,
+    ready_timeout_s: float = 300.0,
+) -> RunningCluster:
+    """Start (or join, with `address`) Ray, then the scheduler, the workers and the ingress.
+
+    Returns once every worker has loaded its model and the servers listen.
+    `grpc_port=None` uses `config.server.grpc_port`, `http_port=None`
+    `config.server.http_port` (where None disables the OpenAI HTTP server);
+    port 0 picks a free port.
+    """
+    started_ray = False
+    if not ray.is_initialized():
+        if address is None:
+            needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
+            ray.init(
+                namespace=NAMESPACE,
+                num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
+                include_dashboard=False,
+            )
+        else:
+            ray.init(address=address, namespace=NAMESPACE)
+        started_ray = True
+    from pagefleet.scheduler.actor import start_scheduler
+
+    namespace = ray.get_runtime_context().namespace
+    scheduler = start_scheduler(
+        namespace=namespace, report_timeout_s=config.scheduler.report_timeout_s
+    )
+    workers = _start_workers(config, namespace)
+    serve.start(http_options={"location": "NoServer"})
+    deployment = serve.deployment(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        # On the head node: the address clients dial is the cluster's entry point,
+        # and losing a worker node must never take the ingress with it.
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+        # Request streams are not Serve requests (they arrive over our own gRPC
+        # server), so Serve's own concurrency limits do not apply to them.
+        max_ongoing_requests=1000,
+    )(IngressDeployment)
+    port = config.server.grpc_port if grpc_port is None else grpc_port
+    if http_port is None:
+        http_port = config.server.http_port
+    handle = serve.run(
+        deployment.bind(config, workers, port, metrics_port, poll_interval_s, http_port),
+        name=APP_NAME,
+        route_prefix=None,
+    )
+    handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 10)
+    ports = handle.endpoints.remote().result()
+    return RunningCluster(
+        config=config,
+        grpc_port=ports["grpc_port"],
+        metrics_port=ports["metrics_port"],
+        workers=workers,
+        scheduler=scheduler,
+        started_ray=started_ray,
+        ingress=handle,
+        http_port=ports["http_port"],
+    )
+
+
+def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tuple[str, Any]]]:
+    from pagefleet.worker.actor import create_worker
+    from pagefleet.worker.config import EngineConfig
+
+    cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+    workers: dict[str, list[tuple[str, Any]]] = {}
+    for pool in config.pools:
+        num_cpus, num_gpus = worker_resources(pool, cluster_gpus)
+        engine_config = EngineConfig(**pool.engine_kwargs(device="cuda" if num_gpus else "cpu"))
+        workers[pool.name] = []
+        for i in range(pool.workers):
+            worker_id = f"{pool.name}-{i}"
+            handle = create_worker(
+                worker_id,
+                pool.name,
+                engine_config,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                name=f"pagefleet-worker-{worker_id}",
+                namespace=namespace,
+                report_interval_s=config.scheduler.report_interval_s,
+                torch_threads=max(1, int(num_cpus)) if not num_gpus else None,
+                scheduling_strategy="SPREAD",
+            )
+            workers[pool.name].append((worker_id, handle))
+    return workers

@@ -1,0 +1,166 @@
+"""A small blocking gRPC client of the `pagefleet.v1.Generation` service.
+
+Used by `pagefleet generate --target` and `pagefleet status`; importing it
+needs only grpcio and protobuf (no torch, no Ray).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+
+# Fields of SamplingParams that the wire message carries; `n` does not travel
+# (one stream is one sequence).
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+
+def sampling_to_proto(params: Any = None, **overrides: Any) -> pb.SamplingParams:
+    """Build the wire `SamplingParams` from an object with the engine's field names.
+
+    `params` may be a `pagefleet.SamplingParams`, any object or mapping with
+    those attributes, or None; keyword overrides win.
+    """
+    values: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        if isinstance(params, dict):
+            if name in params:
+                values[name] = params[name]
+        elif params is not None and hasattr(params, name):
+            values[name] = getattr(params, name)
+    values.update(overrides)
+    msg = pb.SamplingParams()
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            getattr(msg, name).extend([value] if isinstance(value, (str, int)) else value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    params: Any = None,
+    *,
+    request_id: str = "",
+    pool: str = "",
+    priority: int = 0,
+) -> pb.GenerateRequest:
+    """A `GenerateRequest` for a text prompt or a list of token ids."""
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        sampling=sampling_to_proto(params),
+        priority=priority,
+        pool=pool,
+    )
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(int(t) for t in prompt)
+    return req
+
+
+def stream_generate(
+    target: str,
+    prompt: str | Sequence[int],
+    params: Any = None,
+    *,
+    request_id: str = "",
+    pool: str = "",
+    priority: int = 0,
+    timeout: float | None = None,
+) -> Iterator[pb.GenerateResponse]:
+    """Stream one generation from the server at `target` ("host:port").
+
+    Yields `GenerateResponse` messages: `.token_ids` and `.text` are the new
+    tokens since the previous message; the last one has `.finish_reason` and
+    `.usage`. Closing the generator early cancels the call, which aborts the
+    request on its worker. Raises `grpc.RpcError` on failure (`.code()` tells
+    which: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, NOT_FOUND).
+    """
+    request = build_request(prompt, params, request_id=request_id, pool=pool, priority=priority)
+    with grpc.insecure_channel(target) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+
+def get_status(target: str, pool: str = "", timeout: float | None = 10.0) -> pb.StatusResponse:
+    """The server's per pool and per worker KV block counters."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return stub.GetStatus(pb.StatusRequest(pool=pool), timeout=timeout)
+
+
+def abort(target: str, request_id: str, timeout: float | None = 10.0) -> bool:
+    """Abort a running request by id; False when the server does not know it."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return bool(stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found)
+
+
+def format_status(status: pb.StatusResponse) -> str:
+    """A per-worker table of a `StatusResponse`, one block per pool."""
+    columns = (
+        ("worker", 24),
+        ("alive", 5),
+        ("total", 6),
+        ("free", 6),
+        ("live", 6),
+        ("cached", 6),
+        ("peak", 6),
+        ("run", 4),
+        ("wait", 4),
+        ("hit%", 6),
+        ("routed", 7),
+    )
+    header = " ".join(name.rjust(width) if i else name.ljust(width) for i, (name, width) in enumerate(columns))
+    lines: list[str] = []
+    for pool in status.pools:
+        lines.append(
+            f"pool {pool.name}: model={pool.model} router={pool.router_policy} "
+            f"live_workers={pool.live_workers}/{len(pool.workers)} "
+            f"blocks free={pool.free_blocks} live={pool.live_blocks} "
+            f"cached={pool.cached_blocks} total={pool.total_blocks} "
+            f"hit_rate={100 * pool.hit_rate:.1f}%"
+        )
+        lines.append(header)
+        for w in pool.workers:
+            cells = (
+                w.worker_id,
+                "yes" if w.alive else "no",
+                w.total_blocks,
+                w.free_blocks,
+                w.live_blocks,
+                w.cached_blocks,
+                w.peak_live_blocks,
+                w.num_running,
+                w.num_waiting,
+                f"{100 * w.hit_rate:.1f}",
+                w.requests_routed,
+            )
+            lines.append(
+                " ".join(
+                    str(c).rjust(width) if i else str(c).ljust(width)
+                    for i, (c, (_, width)) in enumerate(zip(cells, columns, strict=False))
+                )
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")

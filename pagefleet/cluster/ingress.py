@@ -1,0 +1,591 @@
+"""The ingress: routes each request to a worker actor and streams its tokens back.
+
+`Ingress` is the cluster's front door without any wire protocol (gRPC lives
+in `pagefleet.cluster.grpc_server`). Per request it tokenizes the prompt,
+asks the local `Router` for a worker (no remote call on that path), opens a
+Ray streaming call to the worker and relays the deltas. A background task
+polls every worker for its load report and KV events and feeds the router,
+so the router's index of cached prefixes stays fresh asynchronously.
+
+Faults: when a worker dies mid-stream, the request is re-submitted to
+another live worker of the same pool as prompt + the tokens already streamed
+(recompute), with `max_tokens` reduced by what was streamed; the client's
+stream simply continues. Greedy output is unchanged by the failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+)
+
+from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
+from pagefleet.cluster.metrics import IngressMetrics
+from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
+from pagefleet.worker.events import EventDecodeError, KVEventBatch, LoadReport
+from pagefleet.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Failures that mean "the worker is gone", as opposed to an error of the request.
+WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
+
+
+class ErrorCode(enum.Enum):
+    """Why the ingress refused or ended a request (mapped to gRPC status codes)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+class IngressError(Exception):
+    """A request the ingress cannot serve; `code` says why, `message` says what to fix."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated generation request, independent of the wire protocol."""
+
+    request_id: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+    pool: str = ""
+    salt: str | None = None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling: Mapping[str, Any],
+        priority: int = 0,
+        pool: str = "",
+        salt: str | None = None,
+    ) -> GenerationRequest:
+        """Build and validate; raises ValueError (from SamplingParams) with the limit."""
+        return cls(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt),
+            params=SamplingParams(**sampling),
+            priority=priority,
+            pool=pool,
+            salt=salt,
+        )
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one request since the previous delta; the last one has `finish_reason`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    worker_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class WorkerSlot:
+    """The ingress's view of one worker actor."""
+
+    worker_id: str
+    pool: str
+    handle: Any
+    alive: bool = False
+    incarnation: str | None = None
+    node_id: str = ""
+    report: LoadReport | None = None
+    requests_routed: int = 0
+    # At most one poll call in flight per worker: a slow or restarting worker must
+    # not pile up calls, and each KV event batch must be applied exactly once.
+    poll_task: asyncio.Task[tuple[str, bytes, bytes]] | None = None
+    poll_started: float = 0.0
+
+
+@dataclass
+class _Running:
+    """A request being streamed: where it runs now, and whether the client asked to abort."""
+
+    slot: WorkerSlot
+    aborted: bool = False
+    tried: set[str] = field(default_factory=set)
+
+
+class Ingress:
+    """Routes requests over the worker actors of each pool; see the module docstring.
+
+    `workers` maps pool name to (worker_id, actor handle) pairs. Call `start()`
+    on the event loop that will serve requests, `close()` to stop polling.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        workers: Mapping[str, Sequence[tuple[str, Any]]],
+        *,
+        poll_interval_s: float = 0.1,
+        metrics: IngressMetrics | None = None,
+        router_seed: int | None = None,
+    ) -> None:
+        self.config = config
+        self.router = Router(config.router, seed=router_seed)
+        self.metrics = metrics
+        self._poll_interval_s = poll_interval_s
+        self._slots: dict[str, WorkerSlot] = {}
+        self._pools: dict[str, list[WorkerSlot]] = {}
+        for pool in config.pools:
+            self._pools[pool.name] = []
+            for worker_id, handle in workers.get(pool.name, ()):
+                slot = WorkerSlot(worker_id, pool.name, handle)
+                self._slots[worker_id] = slot
+                self._pools[pool.name].append(slot)
+                self.router.add_worker(worker_id, pool.name, block_size=pool.block_size)
+                # Out of routing until its first poll answers (it may still be loading).
+                self.router.set_alive(worker_id, False)
+        self._tokenizers: dict[str, Any] = {}
+        self._running: dict[str, _Running] = {}
+        self._outstanding: dict[str, int] = dict.fromkeys(self._pools, 0)
+        self._poller: asyncio.Task[None] | None = None
+        self.policy = config.router.policy
+
+    def set_router_policy(self, policy: str) -> None:
+        """Switch the routing policy at run time (benchmarks compare policies on one cluster)."""
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"router policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.policy = policy
+
+    # ----- lifecycle ----------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background poll of worker reports and KV events."""
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Load the tokenizers, then wait until every worker has answered a poll."""
+        for pool in self.config.pools:
+            # Loading blocks the event loop for a moment: do it before serving, not
+            # on the first request.
+            self._tokenizer(pool)
+        deadline = time.monotonic() + timeout_s
+        while not all(slot.alive for slot in self._slots.values()):
+            if time.monotonic() > deadline:
+                missing = [s.worker_id for s in self._slots.values() if not s.alive]
+                raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {missing}")
+            await self.poll_once()
+            await asyncio.sleep(0.05)
+
+    # ----- requests -----------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
+        """Stream one request; raises IngressError before or during the stream."""
+        pool = self._pool_config(req.pool)
+        if req.request_id in self._running:
+            raise IngressError(
+                ErrorCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
+            )
+        prompt_ids = self._prompt_ids(pool, req.prompt)
+        self._check_length(pool, prompt_ids, req.params)
+        self._admit(pool)
+        started = time.monotonic()
+        first_token_at: float | None = None
+        streamed: list[int] = []
+        prompt_tokens = len(prompt_ids)
+        cached_tokens: int | None = None
+        state: _Running | None = None
+        finished = False
+        try:
+            slot = self._route(pool.name, prompt_ids, req.salt, exclude=())
+            state = _Running(slot)
+            self._running[req.request_id] = state
+            while True:
+                remaining = req.params.max_tokens - len(streamed)
+                params = dataclasses.replace(req.params, max_tokens=remaining)
+                # After a failover the new worker recomputes prompt + streamed tokens.
+                # The first attempt sends the prompt as the client gave it so a
+                # text prompt is tokenized by the engine exactly as offline.
+                prompt: str | list[int] = (
+                    req.prompt if not streamed and isinstance(req.prompt, str)
+                    else [*prompt_ids, *streamed]
+                )
+                state.tried.add(state.slot.worker_id)
+                state.slot.requests_routed += 1
+                try:
+                    async for item in self._stream(state.slot, req, prompt, params):
+                        if "error" in item:
+                            raise IngressError(ErrorCode.INVALID_ARGUMENT, item["error"])
+                        if cached_tokens is None:
+                            cached_tokens = item["cached_tokens"]
+                        streamed.extend(item["token_ids"])
+                        if item["token_ids"] and first_token_at is None:
+                            first_token_at = time.monotonic()
+                        finish = item["finish_reason"]
+                        if state.aborted and finish is None:
+                            continue  # the worker is aborting; its last delta says "abort"
+                        yield StreamDelta(
+                            request_id=req.request_id,
+                            token_ids=list(item["token_ids"]),
+                            text=item["text"],
+                            finish_reason=finish,
+                            worker_id=state.slot.worker_id,
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=len(streamed),
+                            cached_tokens=cached_tokens or 0,
+                        )
+                        if finish is not None:
+                            finished = True
+                            self._observe_done(pool.name, started, first_token_at, len(streamed))
+                            return
+                    raise IngressError(
+                        ErrorCode.INTERNAL,
+                        f"worker {state.slot.worker_id} ended the stream without a finish reason",
+                    )
+                except RayTaskError as exc:
+                    # The worker is alive but its code failed on this request (e.g. its
+                    # engine thread died): not a client error, not a lost worker.
+                    raise IngressError(
+                        ErrorCode.INTERNAL,
+                        f"worker {state.slot.worker_id} failed: {type(exc.cause).__name__}: {exc.cause}",
+                    ) from exc
+                except WORKER_FAILURES as exc:
+                    logger.warning(
+                        "worker %s failed mid-stream of %s (%s); resubmitting",
+                        state.slot.worker_id, req.request_id, type(exc).__name__,
+                    )
+                    self._mark_dead(state.slot)
+                    if self.metrics is not None:
+                        self.metrics.failovers.labels(pool=pool.name).inc()
+                if state.aborted or len(streamed) >= req.params.max_tokens:
+                    reason = "abort" if state.aborted else "length"
+                    finished = True
+                    yield StreamDelta(
+                        req.request_id, [], "", reason, state.slot.worker_id,
+                        prompt_tokens, len(streamed), cached_tokens or 0,
+                    )
+                    return
+                state.slot = self._route(
+                    pool.name, [*prompt_ids, *streamed], req.salt, exclude=state.tried
+                )
+        finally:
+            self._outstanding[pool.name] -= 1
+            if state is not None:
+                self._running.pop(req.request_id, None)
+                if not finished:
+                    # Client gone (cancel, disconnect) or an error: the worker must free
+                    # the request's blocks now, not when it would have finished.
+                    _fire_and_forget(state.slot.handle.abort.remote(req.request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request; its stream ends with finish_reason "abort"."""
+        state = self._running.get(request_id)
+        if state is None:
+            return False
+        state.aborted = True
+        # A dead worker needs no abort: the failover path ends the stream with "abort".
+        with contextlib.suppress(*WORKER_FAILURES):
+            await state.slot.handle.abort.remote(request_id)
+        return True
+
+    async def _stream(
+        self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[dict[str, Any]]:
+        gen = slot.handle.generate.options(num_returns="streaming").remote(
+            req.request_id, prompt, params, req.priority, req.salt
+        )
+        async for ref in gen:
+            yield await ref
+
+    # ----- tenants ------------------------------------------------------
+
+    def authenticate(self, api_key: str | None) -> TenantConfig:
+        """The tenant an API key belongs to (None: the open tenant, if one exists)."""
+        tenant = self.config.tenant_for_api_key(api_key)
+        if tenant is None:
+            raise IngressError(
+                ErrorCode.UNAUTHENTICATED,
+                "missing API key" if api_key is None else "unknown API key",
+            )
+        return tenant
+
+    def tenant_pool(self, tenant: TenantConfig, requested: str) -> str:
+        """The pool a tenant's request runs in: its own, or the one it asked for when auth is off."""
+        if not requested or requested == tenant.pool:
+            return tenant.pool
+        if self.config.auth_required:
+            raise IngressError(
+                ErrorCode.PERMISSION_DENIED,
+                f"tenant {tenant.name!r} may use pool {tenant.pool!r}, not {requested!r}",
+            )
+        self._pool_config(requested)  # NOT_FOUND for an unknown pool
+        return requested
+
+    # ----- routing ------------------------------------------------------
+
+    def _pool_config(self, name: str) -> PoolConfig:
+        if not name:
+            return self.config.pools[0]
+        for pool in self.config.pools:
+            if pool.name == name:
+                return pool
+        known = ", ".join(p.name for p in self.config.pools)
+        raise IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}; pools: {known}")
+
+    def _route(
+        self, pool: str, token_ids: Sequence[int], salt: str | None, exclude: Sequence[str] | set[str]
+    ) -> WorkerSlot:
+        try:
+            decision = self.router.route(
+                pool, token_ids, salt=salt, policy=self.policy, exclude=exclude
+            )
+        except NoWorkerAvailable as exc:
+            raise IngressError(
+                ErrorCode.UNAVAILABLE, f"no live worker in pool {pool!r}: {exc}"
+            ) from exc
+        return self._slots[decision.worker_id]
+
+    def _admit(self, pool: PoolConfig) -> None:
+        """Bound what a pool holds: running slots of its live workers plus the wait queue."""
+        live = sum(1 for slot in self._pools[pool.name] if slot.alive)
+        if live == 0:
+            raise IngressError(ErrorCode.UNAVAILABLE, f"no live worker in pool {pool.name!r}")
+        max_num_seqs = int(pool.engine_kwargs().get("max_num_seqs") or _DEFAULT_MAX_NUM_SEQS)
+        bound = live * max_num_seqs + self.config.scheduler.wait_queue_size
+        if self._outstanding[pool.name] >= bound:
+            raise IngressError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"pool {pool.name!r} is full: {self._outstanding[pool.name]} requests outstanding, "
+                f"limit {bound} ({live} workers x max_num_seqs {max_num_seqs} + "
+                f"wait_queue_size {self.config.scheduler.wait_queue_size})",
+            )
+        self._outstanding[pool.name] += 1
+
+    def _prompt_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        tokenizer = self._tokenizer(pool)
+        return [int(t) for t in tokenizer.encode(prompt)]  # as LLMEngine does
+
+    def tokenizer(self, pool: str) -> Any:
+        """The HF tokenizer of a pool (NOT_FOUND for an unknown pool); e.g. for chat templates."""
+        return self._tokenizer(self._pool_config(pool))
+
+    def _tokenizer(self, pool: PoolConfig) -> Any:
+        # The same tokenizer files the workers load, so block hashes agree.
+        if pool.name not in self._tokenizers:
+            self._tokenizers[pool.name] = load_tokenizer(pool.model)
+        return self._tokenizers[pool.name]
+
+    def _check_length(self, pool: PoolConfig, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise IngressError(ErrorCode.INVALID_ARGUMENT, "prompt is empty")
+        limit = pool.max_model_len
+        if limit is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise IngressError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {limit}",
+            )
+
+    def _observe_done(
+        self, pool: str, started: float, first_token_at: float | None, num_tokens: int
+    ) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        self.metrics.observe_request(
+            pool,
+            ttft_s=None if first_token_at is None else first_token_at - started,
+            e2e_s=now - started,
+            tpot_s=(now - first_token_at) / (num_tokens - 1)
+            if first_token_at is not None and num_tokens > 1
+            else None,
+        )
+
+    def _mark_dead(self, slot: WorkerSlot) -> None:
+        slot.alive = False
+        self.router.set_alive(slot.worker_id, False)
+        if self.metrics is not None:
+            self.metrics.mark_dead(slot.pool, slot.worker_id)
+
+    # ----- worker reports -----------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad round stop routing updates
+                logger.exception("worker poll failed")
+            await asyncio.sleep(self._poll_interval_s)
+
+    async def poll_once(self) -> None:
+        """Pull every worker's load report and KV events once (concurrently)."""
+        await asyncio.gather(*(self._poll_worker(slot) for slot in self._slots.values()))
+
+    async def _poll_worker(self, slot: WorkerSlot) -> None:
+        task = slot.poll_task
+        if task is None:
+            task = slot.poll_task = asyncio.get_running_loop().create_task(self._fetch(slot))
+            slot.poll_started = time.monotonic()
+        await asyncio.wait({task}, timeout=max(self._poll_interval_s, 0.01))
+        if not task.done():
+            # Still waiting (busy, or restarting): out of routing once past the deadline.
+            if slot.alive and time.monotonic() - slot.poll_started > self.config.scheduler.report_timeout_s:
+                logger.warning("worker %s out of routing: no report in time", slot.worker_id)
+                self._mark_dead(slot)
+            return
+        if slot.poll_task is not task:
+            return  # a concurrent poll_once already applied this result
+        slot.poll_task = None
+        try:
+            _incarnation, report_bytes, kv_bytes = task.result()
+            report = LoadReport.decode(report_bytes)
+            batch = KVEventBatch.decode(kv_bytes)
+        except (EventDecodeError, *WORKER_FAILURES) as exc:
+            if slot.alive:
+                logger.warning("worker %s out of routing: %s", slot.worker_id, type(exc).__name__)
+            self._mark_dead(slot)
+            return
+        slot.report = report
+        self.router.apply_load_report(report)
+        # The first batch of a (re)started worker has reset=True: the router drops
+        # what it indexed for the previous incarnation.
+        self.router.apply_kv_events(batch)
+        if not slot.alive:
+            slot.alive = True
+            self.router.set_alive(slot.worker_id, True)
+        if self.metrics is not None:
+            self.metrics.observe_report(report)
+
+    async def _fetch(self, slot: WorkerSlot) -> tuple[str, bytes, bytes]:
+        incarnation, report_bytes, kv_bytes = await slot.handle.poll.remote()
+        if incarnation != slot.incarnation:
+            info = await slot.handle.info.remote()
+            slot.node_id = info["node_id"]
+            slot.incarnation = incarnation
+        return incarnation, report_bytes, kv_bytes
+
+    # ----- status -------------------------------------------------------
+
+    def status(self, pool: str | None = None) -> list[dict[str, Any]]:
+        """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts)."""
+        pools = [self._pool_config(pool)] if pool else list(self.config.pools)
+        out = []
+        for cfg in pools:
+            workers = [_worker_status(slot) for slot in self._pools[cfg.name]]
+            live = [w for w in workers if w["alive"]]
+            query = sum(s.report.prefix_query_tokens for s in self._pools[cfg.name] if s.report)
+            hits = sum(s.report.prefix_hit_tokens for s in self._pools[cfg.name] if s.report)
+            entry: dict[str, Any] = {
+                "name": cfg.name,
+                "model": str(cfg.model),
+                "router_policy": self.policy,
+                "live_workers": len(live),
+                "hit_rate": hits / query if query else 0.0,
+                "workers": workers,
+            }
+            for key in _BLOCK_FIELDS:
+                entry[key] = sum(w[key] for w in live)
+            out.append(entry)
+        return out
+
+
+_DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's default
+_BLOCK_FIELDS = (
+    "total_blocks",
+    "free_blocks",
+    "live_blocks",
+    "cached_blocks",
+    "peak_live_blocks",
+    "num_running",
+    "num_waiting",
+)
+
+
+def load_tokenizer(model: str) -> Any:
+    """The HF tokenizer of a pool's model ("tiny" or a local checkpoint directory)."""
+    from transformers import AutoTokenizer
+
+    from pagefleet.worker.model_runner import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+
+
+def _worker_status(slot: WorkerSlot) -> dict[str, Any]:
+    r = slot.report
+    entry: dict[str, Any] = {
+        "worker_id": slot.worker_id,
+        "pool": slot.pool,
+        "alive": slot.alive,
+        "requests_routed": slot.requests_routed,
+        "node_id": slot.node_id,
+        "prefix_query_tokens": r.prefix_query_tokens if r else 0,
+        "prefix_hit_tokens": r.prefix_hit_tokens if r else 0,
+        "hit_rate": r.hit_rate if r else 0.0,
+    }
+    for key in _BLOCK_FIELDS:
+        entry[key] = int(getattr(r, key)) if r else 0
+    return entry
+
+
+_background: set[Any] = set()
+
+
+def _fire_and_forget(ref: Any) -> None:
+    """Keep a remote call alive without awaiting it; errors (dead worker) are ignored."""
+
+    async def wait() -> None:
+        with contextlib.suppress(Exception):
+            await ref
+
+    task = asyncio.get_running_loop().create_task(wait())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+__all__ = [
+    "ErrorCode",
+    "GenerationRequest",
+    "Ingress",
+    "IngressError",
+    "StreamDelta",
+    "WorkerSlot",
+]

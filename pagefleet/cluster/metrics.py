@@ -1,0 +1,115 @@
+"""Prometheus metrics of the cluster, exported by the ingress (names as in DESIGN.md "Metrics").
+
+Per-worker gauges and counters are copied from the workers' load reports, so
+one scrape of the ingress shows the whole cluster; request histograms (TTFT,
+time per output token, end-to-end latency) are measured at the ingress, which
+is where the client's experience is.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from pagefleet.worker.events import LoadReport
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Gauge name -> LoadReport field.
+_WORKER_GAUGES = {
+    "kv_blocks_total": "total_blocks",
+    "kv_blocks_free": "free_blocks",
+    "kv_blocks_live": "live_blocks",
+    "kv_blocks_cached": "cached_blocks",
+    "kv_blocks_peak_live": "peak_live_blocks",
+    "num_running": "num_running",
+    "num_waiting": "num_waiting",
+}
+
+
+class _ReportCounter:
+    """A Counter fed from a cumulative value in reports (counters may only go up;
+    a restarted worker starts again from 0, so only positive steps are added)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._last: dict[tuple[str, ...], int] = {}
+
+    def set_total(self, labels: tuple[str, ...], total: int) -> None:
+        last = self._last.get(labels, 0)
+        step = total - last if total >= last else total
+        if step > 0:
+            self._counter.labels(*labels).inc(step)
+        self._last[labels] = total
+
+
+class IngressMetrics:
+    """All pagefleet metrics in one registry (one per ingress, so tests can make several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ("pool", "worker")
+        self._gauges = {
+            name: Gauge(name, f"{field} of the worker's KV pool / engine", labels, registry=self.registry)
+            for name, field in _WORKER_GAUGES.items()
+        }
+        self.worker_alive = Gauge(
+            "worker_alive", "1 while the worker is in routing", labels, registry=self.registry
+        )
+        self._prefix_queries = _ReportCounter(
+            Counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache", labels, registry=self.registry)
+        )
+        self._prefix_hits = _ReportCounter(
+            Counter("prefix_cache_hits", "prompt tokens served from the prefix cache", labels, registry=self.registry)
+        )
+        self._evictions = _ReportCounter(
+            Counter("evictions", "cached KV blocks evicted", labels, registry=self.registry)
+        )
+        self._preemptions = _ReportCounter(
+            Counter("preemptions", "sequences preempted", (*labels, "mode"), registry=self.registry)
+        )
+        self.ttft = Histogram(
+            "time_to_first_token_seconds", "request arrival to first token", ("pool",),
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "time_per_output_token_seconds", "mean time between output tokens of a request",
+            ("pool",), buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds", "request arrival to last token", ("pool",),
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.failovers = Counter(
+            "failovers", "streams resumed on another worker after a worker failure", ("pool",),
+            registry=self.registry,
+        )
+
+    def observe_report(self, report: LoadReport) -> None:
+        """Copy one worker's load report into the gauges and counters."""
+        labels = (report.pool, report.worker_id)
+        for name, field in _WORKER_GAUGES.items():
+            self._gauges[name].labels(*labels).set(getattr(report, field))
+        self.worker_alive.labels(*labels).set(1)
+        self._prefix_queries.set_total(labels, report.prefix_query_tokens)
+        self._prefix_hits.set_total(labels, report.prefix_hit_tokens)
+        self._evictions.set_total(labels, report.evictions)
+        for mode, count in report.preemptions.items():
+            self._preemptions.set_total((*labels, mode), count)
+
+    def mark_dead(self, pool: str, worker_id: str) -> None:
+        self.worker_alive.labels(pool, worker_id).set(0)
+
+    def observe_request(
+        self, pool: str, *, ttft_s: float | None, e2e_s: float, tpot_s: float | None
+    ) -> None:
+        """Record one finished request's latencies."""
+        if ttft_s is not None:
+            self.ttft.labels(pool).observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.labels(pool).observe(tpot_s)
+        self.e2e.labels(pool).observe(e2e_s)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Expose `/metrics` over HTTP on `port` (0: a free port); returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

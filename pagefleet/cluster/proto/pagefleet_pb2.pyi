@@ -1,0 +1,261 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = (
+        "ignore_eos",
+        "max_tokens",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "temperature",
+        "top_k",
+        "top_p",
+    )
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(
+        self,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: _Iterable[str] | None = ...,
+        stop_token_ids: _Iterable[int] | None = ...,
+        ignore_eos: bool | None = ...,
+    ) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("pool", "priority", "prompt", "prompt_token_ids", "request_id", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    priority: int
+    pool: str
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        prompt: str | None = ...,
+        prompt_token_ids: _Iterable[int] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        priority: int | None = ...,
+        pool: str | None = ...,
+    ) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("cached_tokens", "completion_tokens", "prompt_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    def __init__(
+        self,
+        prompt_tokens: int | None = ...,
+        completion_tokens: int | None = ...,
+        cached_tokens: int | None = ...,
+    ) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("finish_reason", "request_id", "text", "token_ids", "usage", "worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    worker_id: str
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        text: str | None = ...,
+        finish_reason: str | None = ...,
+        usage: Usage | _Mapping | None = ...,
+        worker_id: str | None = ...,
+    ) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: str | None = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: bool | None = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: str | None = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = (
+        "alive",
+        "cached_blocks",
+        "free_blocks",
+        "hit_rate",
+        "live_blocks",
+        "node_id",
+        "num_running",
+        "num_waiting",
+        "peak_live_blocks",
+        "pool",
+        "prefix_hit_tokens",
+        "prefix_query_tokens",
+        "requests_routed",
+        "total_blocks",
+        "worker_id",
+    )
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    pool: str
+    alive: bool
+    total_blocks: int
+    free_blocks: int
+    live_blocks: int
+    cached_blocks: int
+    peak_live_blocks: int
+    num_running: int
+    num_waiting: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    hit_rate: float
+    requests_routed: int
+    node_id: str
+    def __init__(
+        self,
+        worker_id: str | None = ...,
+        pool: str | None = ...,
+        alive: bool | None = ...,
+        total_blocks: int | None = ...,
+        free_blocks: int | None = ...,
+        live_blocks: int | None = ...,
+        cached_blocks: int | None = ...,
+        peak_live_blocks: int | None = ...,
+        num_running: int | None = ...,
+        num_waiting: int | None = ...,
+        prefix_query_tokens: int | None = ...,
+        prefix_hit_tokens: int | None = ...,
+        hit_rate: float | None = ...,
+        requests_routed: int | None = ...,
+        node_id: str | None = ...,
+    ) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = (
+        "cached_blocks",
+        "free_blocks",
+        "hit_rate",
+        "live_blocks",
+        "live_workers",
+        "model",
+        "name",
+        "num_running",
+        "num_waiting",
+        "peak_live_blocks",
+        "router_policy",
+        "total_blocks",
+        "workers",
+    )
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    router_policy: str
+    total_blocks: int
+    free_blocks: int
+    live_blocks: int
+    cached_blocks: int
+    peak_live_blocks: int
+    num_running: int
+    num_waiting: int
+    hit_rate: float
+    live_workers: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(
+        self,
+        name: str | None = ...,
+        model: str | None = ...,
+        router_policy: str | None = ...,
+        total_blocks: int | None = ...,
+        free_blocks: int | None = ...,
+        live_blocks: int | None = ...,
+        cached_blocks: int | None = ...,
+        peak_live_blocks: int | None = ...,
+        num_running: int | None = ...,
+        num_waiting: int | None = ...,
+        hit_rate: float | None = ...,
+        live_workers: int | None = ...,
+        workers: _Iterable[WorkerStatus | _Mapping] | None = ...,
+    ) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, pools: _Iterable[PoolStatus | _Mapping] | None = ...) -> None: ...

@@ -1,0 +1,96 @@
+"""`pagefleet serve`: start a cluster (local Ray by default) and serve gRPC and OpenAI HTTP until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="start workers, scheduler and the gRPC + OpenAI HTTP ingress; serve until Ctrl-C",
+        description="With no arguments: a local Ray on this machine, two CPU workers on the "
+        "built-in tiny model, gRPC on port 50051, the OpenAI HTTP API on port 8000. "
+        "--address joins an existing Ray cluster.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="cluster YAML (pools, tenants, router, scheduler)")
+    parser.add_argument("--model", metavar="DIR", help="model of every pool: 'tiny' or a local HF checkpoint")
+    parser.add_argument("--workers", type=int, metavar="N", help="workers per pool")
+    parser.add_argument("--grpc-port", type=int, metavar="P", help="gRPC port (default: config, 50051)")
+    parser.add_argument("--http-port", type=int, metavar="P",
+                        help="OpenAI HTTP API port (default: config, 8000; 0 picks a free port; "
+                        "-1 disables)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                        help="Prometheus /metrics port (default: a free port; -1 disables)")
+    parser.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. auto, HOST:6379)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> Any:
+    """The cluster config from --config (or the default), with --model/--workers/--http-port applied."""
+    from pagefleet.cli import CommandError
+    from pagefleet.cluster.config import ClusterConfig, ConfigError
+
+    try:
+        config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig.default()
+        if args.model is not None or args.workers is not None:
+            config = config.with_overrides(model=args.model, workers=args.workers)
+        http_port = getattr(args, "http_port", None)
+        if http_port is not None:
+            if not -1 <= http_port <= 65535:
+                raise CommandError(f"--http-port must be in [0, 65535] or -1 (disabled), got {http_port}")
+            # -1 disables the OpenAI HTTP server (null in the config file).
+            server = dataclasses.replace(config.server, http_port=None if http_port < 0 else http_port)
+            config = dataclasses.replace(config, server=server)
+    except (ConfigError, OSError) as exc:
+        raise CommandError(f"invalid config: {exc}") from exc
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagefleet.cli import CommandError
+    from pagefleet.cluster.app import start_cluster
+
+    config = load_config(args)
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        raise CommandError(f"--grpc-port must be in [0, 65535], got {args.grpc_port}")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = None
+    try:
+        cluster = start_cluster(
+            config,
+            address=args.address,
+            grpc_port=args.grpc_port,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        )
+        host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
+        for pool in config.pools:
+            print(f"  pool {pool.name}: model={pool.model} workers={pool.workers}", flush=True)
+        print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
+        if cluster.http_port is not None:
+            print(f"  HTTP     http://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
+        if cluster.metrics_port is not None:
+            print(f"  metrics  http://{host}:{cluster.metrics_port}/metrics")
+        print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
+        print("Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+            pass
+        print("pagefleet: shutting down", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

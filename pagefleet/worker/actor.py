@@ -1,0 +1,240 @@
+"""The Ray actor around one `AsyncEngine`: one per GPU (or one per CPU slot without a GPU).
+
+This is the only module in `pagefleet.worker` that imports Ray. `WorkerActor`
+is a plain class; `create_worker` turns it into a restartable async actor at
+build time. The engine loop runs in the background of the actor's event loop;
+each `generate` call is one Ray streaming generator, so many streams share
+one worker.
+
+Load reports and KV events leave the worker two ways, both msgpack
+(`pagefleet.worker.events`): the ingress pulls them with `poll()` (the
+router's index of cached hashes), and the worker pushes load reports to the
+central scheduler every `report_interval_s` (capacity view, liveness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from pagefleet.worker.async_engine import AsyncEngine
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.engine import RequestError
+from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Concurrent calls one worker accepts (streams + polls + aborts); the engine's
+# own max_num_seqs bounds what runs, the rest waits in its queue.
+MAX_CONCURRENCY = 1024
+
+
+class WorkerActor:
+    """One engine with a private KV pool, driven through Ray calls."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        pool: str,
+        engine_config: EngineConfig,
+        *,
+        report_interval_s: float = 0.5,
+        scheduler_namespace: str | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.pool = pool
+        # A new id per (re)start: the ingress notices a restart by it changing.
+        self.incarnation = uuid.uuid4().hex
+        self._engine = AsyncEngine(engine_config)
+        self._block_size = engine_config.block_size
+        self._report_interval_s = report_interval_s
+        self._scheduler_namespace = scheduler_namespace
+        self._report_seq = 0
+        self._kv_seq = 0
+        self._reporter: asyncio.Task[None] | None = None
+
+    # ----- requests -----------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        salt: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request's deltas as plain dicts (see `_delta`).
+
+        Bad input ends the stream with one `{"error": message}` item instead of
+        raising, so the caller can tell a client error from a worker failure.
+        """
+        self._ensure_reporter()
+        try:
+            stream = self._engine.generate(
+                request_id, prompt, params, priority=priority, salt=salt
+            )
+            async for out in stream:
+                yield _delta(out)
+        except RequestError as exc:
+            yield {"error": str(exc)}
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
+        between two engine steps, and its stream ends with finish_reason "abort"."""
+        self._engine.abort(request_id)
+
+    # ----- state --------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        """Identity and placement of this worker incarnation."""
+        self._ensure_reporter()
+        stats = self._engine.stats()
+        return {
+            "worker_id": self.worker_id,
+            "pool": self.pool,
+            "incarnation": self.incarnation,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "block_size": self._block_size,
+            "total_blocks": int(stats.get("total", stats.get("total_blocks", 0))),
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's pool and queue counters (`LLMEngine.stats()`)."""
+        return dict(self._engine.stats())
+
+    async def poll(self) -> tuple[str, bytes, bytes]:
+        """(incarnation, LoadReport bytes, KVEventBatch bytes) since the previous poll.
+
+        The first batch of every incarnation has `reset=True`: a restarted
+        worker's cache is empty, so the router must forget what it indexed.
+        """
+
+        self._ensure_reporter()
+        report = self._load_report()
+        batch = KVEventBatch.from_engine(
+            self.worker_id, self._kv_seq, self._engine.drain_kv_events(), reset=self._kv_seq == 0
+        )
+        self._kv_seq += 1
+        return self.incarnation, report, batch.encode()
+
+    async def check_integrity(self) -> None:
+        """Raise AssertionError if the block pool's bookkeeping is inconsistent."""
+        self._engine.check_integrity()
+
+    # ----- scheduler reports --------------------------------------------
+
+    def _load_report(self) -> bytes:
+        self._report_seq += 1
+        return LoadReport.from_engine_stats(
+            self.worker_id,
+            self.pool,
+            self._report_seq,
+            self._engine.stats(),
+            incarnation=self.incarnation,
+        ).encode()
+
+    def _ensure_reporter(self) -> None:
+        if self._reporter is None and self._report_interval_s > 0:
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        from pagefleet.scheduler.actor import get_scheduler
+        from pagefleet.scheduler.state import WorkerInfo
+
+        scheduler: Any = None
+        generation: int | None = None
+        while True:
+            try:
+                if scheduler is None:
+                    scheduler = get_scheduler(self._scheduler_namespace)
+                    generation = None
+                if scheduler is not None:
+                    if generation is None:
+                        info = await self.info()
+                        generation = await scheduler.register_worker.remote(
+                            WorkerInfo(
+                                worker_id=self.worker_id,
+                                pool=self.pool,
+                                total_blocks=info["total_blocks"],
+                                block_size=self._block_size,
+                                node_id=info["node_id"],
+                            )
+                        )
+                    ack = await scheduler.report.remote(self.worker_id, self._load_report())
+                    if not ack.registered or ack.generation != generation:
+                        generation = None  # the scheduler restarted: register again
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Serving never depends on the scheduler: skip this report, look it up again.
+                logger.debug("worker %s: scheduler report failed: %s", self.worker_id, exc)
+                scheduler = None
+            await asyncio.sleep(self._report_interval_s)
+
+
+def _delta(out: Any) -> dict[str, Any]:
+    """The part of a `RequestOutput` the ingress needs, as a small dict."""
+    return {
+        "token_ids": list(out.new_token_ids),
+        "text": out.new_text,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+        "cached_tokens": int(out.num_cached_tokens),
+    }
+
+
+def create_worker(
+    worker_id: str,
+    pool: str,
+    engine_config: EngineConfig,
+    *,
+    num_gpus: float = 0.0,
+    num_cpus: float = 0.5,
+    name: str | None = None,
+    namespace: str | None = None,
+    report_interval_s: float = 0.5,
+    torch_threads: int | None = None,
+    scheduling_strategy: Any = None,
+) -> Any:
+    """Start a `WorkerActor` as a restartable Ray actor and return its handle.
+
+    `max_restarts=-1`: Ray brings a dead worker back (empty cache, new
+    incarnation) and it rejoins routing. `max_task_retries=0`: a stream cut by
+    a failure is resumed by the ingress on another worker, never replayed by
+    Ray on the same one.
+    """
+    options: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "max_concurrency": MAX_CONCURRENCY,
+    }
+    if name is not None:
+        options["name"] = name
+        options["namespace"] = namespace
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    cls = ray.remote(WorkerActor).options(**options)
+    return cls.remote(
+        worker_id,
+        pool,
+        engine_config,
+        report_interval_s=report_interval_s,
+        scheduler_namespace=namespace,
+        torch_threads=torch_threads,
+    )

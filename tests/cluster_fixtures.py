@@ -1,0 +1,96 @@
+"""Helpers shared by the cluster tests: a small cluster config and gRPC calls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from pagefleet.cluster.client import build_request
+from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+
+# Small pools and short blocks: a 40-token prompt already spans several blocks.
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 96
+MAX_MODEL_LEN = 160
+
+
+def small_cluster_config(
+    *, workers: int = 2, policy: str = "prefix_affinity", extra_pools: int = 0, wait_queue: int = 2
+) -> ClusterConfig:
+    """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>")."""
+    pool = {
+        "model": "tiny",
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": NUM_KV_BLOCKS,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 256,
+        "device": "cpu",
+    }
+    pools = [{"name": "default", "workers": workers, **pool}]
+    pools += [{"name": f"spare{i}", "workers": 1, **pool} for i in range(extra_pools)]
+    return ClusterConfig.from_dict(
+        {
+            "pools": pools,
+            "router": {"policy": policy},
+            "scheduler": {
+                "report_interval_s": 0.2,
+                "report_timeout_s": 2.0,
+                "wait_queue_size": wait_queue,
+            },
+            "server": {"host": "127.0.0.1", "grpc_port": 0},
+        }
+    )
+
+
+def stub(target: str) -> tuple[grpc.Channel, pb_grpc.GenerationStub]:
+    channel = grpc.insecure_channel(target)
+    return channel, pb_grpc.GenerationStub(channel)
+
+
+def generate(
+    target: str, prompt: str | list[int], *, pool: str = "", request_id: str = "", **sampling: Any
+) -> list[pb.GenerateResponse]:
+    """Run one Generate call to the end and return every message."""
+    channel, s = stub(target)
+    with channel:
+        req = build_request(prompt, sampling, request_id=request_id, pool=pool)
+        return list(s.Generate(req, timeout=120))
+
+
+def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def status(target: str, pool: str = "") -> pb.StatusResponse:
+    channel, s = stub(target)
+    with channel:
+        return s.GetStatus(pb.StatusRequest(pool=pool), timeout=30)
+
+
+def pool_status(target: str, pool: str = "default") -> pb.PoolStatus:
+    return status(target, pool).pools[0]
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05
+) -> None:
+    """Poll `predicate` until it holds; fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
+        time.sleep(interval_s)
+
+
+def open_stream(
+    target: str, prompt: str | list[int], **sampling: Any
+) -> tuple[grpc.Channel, Iterator[pb.GenerateResponse]]:
+    """Start a Generate call and return (channel, response iterator) for the caller to drive."""
+    channel, s = stub(target)
+    return channel, s.Generate(build_request(prompt, sampling), timeout=120)

@@ -1,0 +1,41 @@
+"""`pagefleet serve` / `status` argument handling that needs no cluster."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pagefleet.cli import CommandError, main
+from pagefleet.commands.serve import load_config
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {"config": None, "model": None, "workers": None}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_serve_without_arguments_uses_two_workers_on_the_tiny_model() -> None:
+    config = load_config(_args())
+    assert [(p.model, p.workers) for p in config.pools] == [("tiny", 2)]
+
+
+def test_serve_workers_flag_applies_to_every_pool(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools:\n  - name: a\n  - name: b\n    workers: 3\n")
+    config = load_config(_args(config=str(path), workers=4))
+    assert [p.workers for p in config.pools] == [4, 4]
+
+
+def test_invalid_config_is_a_one_line_user_error_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools:\n  - name: a\n    workers: 0\n")
+    with pytest.raises(CommandError, match="workers"):
+        load_config(_args(config=str(path)))
+
+
+def test_status_against_nothing_exits_2_with_the_grpc_code(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--target", "127.0.0.1:1", "--timeout", "2"]) == 2
+    assert "UNAVAILABLE" in capsys.readouterr().err

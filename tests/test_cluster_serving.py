@@ -1,0 +1,416 @@
+"""The cluster end to end: a local Ray, CPU workers on the tiny model, a real gRPC channel.
+
+One cluster for the whole module: pool "default" (2 workers) and pool "spare0"
+(1 worker, used by the tests that fill or break a pool). Tests that kill
+workers run last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import ray
+from cluster_fixtures import (
+    MAX_MODEL_LEN,
+    generate,
+    open_stream,
+    pool_status,
+    small_cluster_config,
+    status,
+    stub,
+    tokens_of,
+    wait_for,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagefleet import LLM, SamplingParams
+from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.client import stream_generate
+from pagefleet.cluster.proto import pagefleet_pb2 as pb
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was",
+    "In the beginning the model",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    running = start_cluster(small_cluster_config(extra_pools=1), grpc_port=0)
+    try:
+        yield running
+    finally:
+        running.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target(cluster: RunningCluster) -> str:
+    return cluster.grpc_target
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    cfg = small_cluster_config().pools[0]
+    return LLM(
+        model="tiny",
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        max_model_len=cfg.max_model_len,
+    )
+
+
+def _worker_stats(cluster: RunningCluster, worker_id: str) -> dict[str, Any]:
+    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))
+
+
+def _live_workers(target: str) -> list[str]:
+    return [w.worker_id for p in status(target).pools for w in p.workers if w.alive]
+
+
+@pytest.fixture(autouse=True)
+def pools_end_clean(cluster: RunningCluster, target: str) -> Iterator[None]:
+    """After every test: no live blocks anywhere, and free + cached == total on every worker."""
+    yield
+
+    def clean() -> bool:
+        for worker_id in _live_workers(target):
+            s = _worker_stats(cluster, worker_id)
+            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+                return False
+        return True
+
+    wait_for(clean, 30, "every live worker with free + cached == total and no live blocks")
+
+
+def _set_policy(cluster: RunningCluster, policy: str) -> None:
+    cluster.ingress.set_router_policy.remote(policy).result()
+
+
+# ----- correctness --------------------------------------------------------
+
+
+def test_grpc_streams_equal_offline_generate(target: str, offline: LLM) -> None:
+    params = SamplingParams(max_tokens=12)
+    expected = offline.generate(PROMPTS, params)
+    assert len({t for out in expected for t in out.token_ids}) > 5, "reference output not diverse"
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: generate(target, p, max_tokens=12), PROMPTS))
+    for want, got in zip(expected, results, strict=True):
+        assert tokens_of(got) == want.token_ids
+        assert "".join(m.text for m in got) == want.text
+        assert got[-1].finish_reason == want.finish_reason
+        assert got[-1].usage.completion_tokens == len(want.token_ids)
+        assert got[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_token_id_prompt_equals_text_prompt(target: str, offline: LLM) -> None:
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    assert tokens_of(generate(target, ids, max_tokens=8)) == tokens_of(
+        generate(target, PROMPTS[0], max_tokens=8)
+    )
+
+
+def test_client_stream_generate_streams_the_offline_output(target: str, offline: LLM) -> None:
+    want = offline.generate(PROMPTS[1], SamplingParams(max_tokens=10))[0]
+    chunks = list(stream_generate(target, PROMPTS[1], SamplingParams(max_tokens=10)))
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert chunks[-1].finish_reason == want.finish_reason
+
+
+# ----- routing ------------------------------------------------------------
+
+
+def _run_group(target: str, prefix: str, n: int) -> list[pb.GenerateResponse]:
+    """n requests sharing `prefix`, one after another; the last message of each."""
+    return [generate(target, f"{prefix} question {j}?", max_tokens=2)[-1] for j in range(n)]
+
+
+LONG_PREFIX = "{} team: you are a helpful assistant. Answer briefly and politely."
+
+
+def test_prefix_affinity_keeps_a_group_on_one_worker_and_hits_its_cache(
+    cluster: RunningCluster, target: str
+) -> None:
+    _set_policy(cluster, "prefix_affinity")
+    hits_before = pool_status(target).workers
+    for group in ("alpha", "beta"):
+        finals = _run_group(target, LONG_PREFIX.format(group), 4)
+        assert len({m.worker_id for m in finals}) == 1
+        assert finals[0].usage.cached_tokens == 0
+        assert all(m.usage.cached_tokens >= 8 for m in finals[1:])
+    # GetStatus sees the same hits (reports arrive asynchronously).
+    before = sum(w.prefix_hit_tokens for w in hits_before)
+    wait_for(
+        lambda: sum(w.prefix_hit_tokens for w in pool_status(target).workers) >= before + 6 * 8,
+        10,
+        "prefix hits visible in GetStatus",
+    )
+
+
+def test_round_robin_spreads_a_group_and_misses_the_cache(
+    cluster: RunningCluster, target: str
+) -> None:
+    _set_policy(cluster, "round_robin")
+    try:
+        finals = _run_group(target, LONG_PREFIX.format("gamma"), 4)
+    finally:
+        _set_policy(cluster, "prefix_affinity")
+    assert len({m.worker_id for m in finals}) == 2
+    # The first request on each worker found nothing cached.
+    first_per_worker = {}
+    for m in finals:
+        first_per_worker.setdefault(m.worker_id, m)
+    assert all(m.usage.cached_tokens == 0 for m in first_per_worker.values())
+
+
+# ----- cancel, disconnect, abort -----------------------------------------
+
+
+def _stream_started(target: str, prompt: str) -> tuple[grpc.Channel, Any, str]:
+    channel, it = open_stream(target, prompt, max_tokens=MAX_MODEL_LEN - 20, ignore_eos=True)
+    first = next(it)
+    while not first.token_ids:
+        first = next(it)
+    return channel, it, first.worker_id
+
+
+def test_cancel_frees_the_requests_blocks_within_a_second(
+    cluster: RunningCluster, target: str
+) -> None:
+    channel, it, worker_id = _stream_started(target, "Cancel me after the first token")
+    assert _worker_stats(cluster, worker_id)["live"] > 0
+    it.cancel()
+    wait_for(
+        lambda: _worker_stats(cluster, worker_id)["live"] == 0, 1.0, "blocks freed after cancel"
+    )
+    channel.close()
+
+
+def test_disconnect_frees_the_requests_blocks_within_a_second(
+    cluster: RunningCluster, target: str
+) -> None:
+    channel, _it, worker_id = _stream_started(target, "Disconnect me after the first token")
+    assert _worker_stats(cluster, worker_id)["live"] > 0
+    channel.close()
+    wait_for(
+        lambda: _worker_stats(cluster, worker_id)["live"] == 0, 1.0, "blocks freed after disconnect"
+    )
+
+
+def test_abort_rpc_ends_the_stream_with_abort(cluster: RunningCluster, target: str) -> None:
+    channel, s = stub(target)
+    with channel:
+        req = pb.GenerateRequest(
+            request_id="to-abort",
+            prompt="Abort me by id",
+            sampling=pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 20, ignore_eos=True),
+        )
+        it = s.Generate(req, timeout=60)
+        next(it)
+        assert s.Abort(pb.AbortRequest(request_id="to-abort")).found
+        rest = list(it)
+    assert rest[-1].finish_reason == "abort"
+    channel, s = stub(target)
+    with channel:
+        assert not s.Abort(pb.AbortRequest(request_id="to-abort")).found
+
+
+# ----- bad requests --------------------------------------------------------
+
+BAD_REQUESTS = {
+    "empty prompt": (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    "text and ids": (
+        pb.GenerateRequest(prompt="hi", prompt_token_ids=[1, 2]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exactly one",
+    ),
+    "prompt too long": (
+        pb.GenerateRequest(prompt_token_ids=[5] * (MAX_MODEL_LEN + 1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        str(MAX_MODEL_LEN),
+    ),
+    "max_tokens too large": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=MAX_MODEL_LEN)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        str(MAX_MODEL_LEN),
+    ),
+    "negative temperature": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1.0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    "top_p above 1": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_p",
+    ),
+    "token id outside the vocabulary": (
+        pb.GenerateRequest(prompt_token_ids=[1, 10**9]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "vocabulary",
+    ),
+    "unknown pool": (
+        pb.GenerateRequest(prompt="hi", pool="nope"),
+        grpc.StatusCode.NOT_FOUND,
+        "nope",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_its_status_code_and_the_server_keeps_serving(
+    target: str, case: str
+) -> None:
+    request, code, detail = BAD_REQUESTS[case]
+    channel, s = stub(target)
+    with channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.Generate(request, timeout=60))
+        assert err.value.code() == code
+        assert detail in err.value.details()
+    assert generate(target, "still serving", max_tokens=2)[-1].finish_reason
+
+
+def test_full_pool_answers_resource_exhausted(cluster: RunningCluster, target: str) -> None:
+    # spare0: 1 worker x max_num_seqs 4 + wait_queue_size 2 = 6 outstanding requests.
+    streams = []
+    try:
+        for i in range(6):
+            streams.append(open_stream_in_pool(target, f"fill the pool {i}", "spare0"))
+        wait_for(
+            lambda: (lambda p: p.num_running + p.num_waiting)(pool_status(target, "spare0")) == 6,
+            30,
+            "six requests running or waiting in spare0",
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            generate(target, "one too many", pool="spare0", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit 6" in err.value.details()
+    finally:
+        for channel, it in streams:
+            it.cancel()
+            channel.close()
+
+
+def open_stream_in_pool(target: str, prompt: str, pool: str) -> tuple[grpc.Channel, Any]:
+    channel, s = stub(target)
+    req = pb.GenerateRequest(
+        prompt=prompt,
+        pool=pool,
+        sampling=pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 20, ignore_eos=True),
+    )
+    return channel, s.Generate(req, timeout=120)
+
+
+# ----- operations ------------------------------------------------------------
+
+
+def test_health_service_reports_serving(target: str) -> None:
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "pagefleet.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_generation_service(target: str) -> None:
+    with grpc.insecure_channel(target) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "pagefleet.v1.Generation" in names
+
+
+def test_status_lists_every_worker_with_its_pool_counters(target: str) -> None:
+    pools = {p.name: p for p in status(target).pools}
+    assert set(pools) == {"default", "spare0"}
+    default = pools["default"]
+    assert [w.worker_id for w in default.workers] == ["default-0", "default-1"]
+    for w in default.workers:
+        assert w.alive and w.total_blocks == 96
+        assert w.free_blocks + w.cached_blocks + w.live_blocks == w.total_blocks
+    assert default.total_blocks == 192
+
+
+def test_status_command_prints_a_row_per_worker(
+    target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagefleet.cli import main
+
+    assert main(["status", "--target", target]) == 0
+    out = capsys.readouterr().out
+    for worker_id in ("default-0", "default-1", "spare0-0"):
+        assert worker_id in out
+
+
+def test_metrics_endpoint_exports_pool_gauges_and_latency_histograms(
+    cluster: RunningCluster, target: str
+) -> None:
+    generate(target, "measure me", max_tokens=3)
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'kv_blocks_total{pool="default",worker="default-0"} 96.0' in body
+    for name in ("kv_blocks_free", "kv_blocks_cached", "prefix_cache_hits_total", "num_running"):
+        assert f"{name}{{" in body
+    assert "time_to_first_token_seconds_bucket" in body
+    assert "e2e_request_latency_seconds_count" in body
+
+
+# ----- faults (run last: they restart actors) ---------------------------------
+
+
+def test_scheduler_death_does_not_stop_serving_and_workers_reregister(
+    cluster: RunningCluster, target: str
+) -> None:
+    ray.kill(cluster.scheduler, no_restart=False)
+    assert generate(target, "serve without a scheduler", max_tokens=4)[-1].finish_reason
+    wait_for(
+        lambda: len(ray.get(cluster.scheduler.get_view.remote(), timeout=10).workers) == 3,
+        60,
+        "all three workers registered with the restarted scheduler",
+        interval_s=0.5,
+    )
+
+
+def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    prompt = "A worker dies while this stream runs"
+    max_tokens = MAX_MODEL_LEN - 20
+    want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    channel, it = open_stream(target, prompt, max_tokens=max_tokens, ignore_eos=True)
+    with channel:
+        got = [next(it)]
+        while not got[-1].token_ids:
+            got.append(next(it))
+        victim = got[-1].worker_id
+        ray.kill(cluster.worker_handle(victim), no_restart=False)
+        got += list(it)
+    assert tokens_of(got) == want.token_ids
+    assert got[-1].finish_reason == "length"
+    assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
+    wait_for(
+        lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
+    )
+
+
+def test_pool_without_a_live_worker_answers_unavailable(
+    cluster: RunningCluster, target: str
+) -> None:
+    ray.kill(cluster.worker_handle("spare0-0"), no_restart=True)
+    wait_for(lambda: "spare0-0" not in _live_workers(target), 30, "spare0-0 out of routing")
+    with pytest.raises(grpc.RpcError) as err:
+        generate(target, "nobody home", pool="spare0", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert generate(target, "the default pool still serves", max_tokens=2)[-1].finish_reason
