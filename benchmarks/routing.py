@@ -162,7 +162,7 @@ def cluster_config(workers: int, num_kv_blocks: int, max_num_seqs: int) -> Clust
                     "device": "cpu",
                 }
             ],
-            "server": {"host": "127.0.0.1", "grpc_port": 0},
+            "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }
     )
 

@@ -43,7 +43,7 @@ def small_cluster_config(
                 "report_timeout_s": 2.0,
                 "wait_queue_size": wait_queue,
             },
-            "server": {"host": "127.0.0.1", "grpc_port": 0},
+            "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }
     )
 

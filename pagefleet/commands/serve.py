@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import socket
 import threading
 from types import FrameType
 from typing import Any
@@ -53,6 +54,21 @@ def load_config(args: argparse.Namespace) -> Any:
     return config
 
 
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Raise CommandError when host:port cannot be bound (0, a free port, always can)."""
+    from pagefleet.cli import CommandError
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another {flag}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from pagefleet.cli import CommandError
     from pagefleet.cluster.app import start_cluster
@@ -60,6 +76,16 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args)
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         raise CommandError(f"--grpc-port must be in [0, 65535], got {args.grpc_port}")
+    grpc_port = config.server.grpc_port if args.grpc_port is None else args.grpc_port
+    http_port = config.server.http_port
+    if http_port and http_port == grpc_port:
+        raise CommandError(f"the gRPC and HTTP ports must differ, both are {grpc_port}")
+    if args.address is None:
+        # The local ingress binds on this machine: a busy port is a one-line error here
+        # rather than a failed Serve deployment after the workers have loaded.
+        check_port_free(config.server.host, grpc_port, "--grpc-port")
+        if http_port is not None:
+            check_port_free(config.server.host, http_port, "--http-port (-1 disables HTTP)")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

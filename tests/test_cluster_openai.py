@@ -1,0 +1,474 @@
+"""The OpenAI HTTP API end to end: a local Ray, CPU workers on the tiny model, a real httpx client.
+
+One cluster for the whole module: pool "default" (2 workers, tenant "acme")
+and pool "other" (1 worker, tenant "globex"); every tenant has an API key, so
+requests without one are refused. The first tests need no cluster (request
+parsing); the tests that fill a pool or disconnect run last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from cluster_fixtures import wait_for
+
+from pagefleet import LLM, SamplingParams
+from pagefleet.cli import CommandError
+from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.config import ClusterConfig, TenantConfig
+from pagefleet.cluster.ingress import IngressError
+from pagefleet.cluster.openai_http import chat_prompt, parse_request, resolve_pool
+from pagefleet.commands.serve import check_port_free, load_config
+
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 128
+MAX_MODEL_LEN = 1024  # room for the long request the disconnect test abandons
+KEY_ACME = "sk-acme-test"
+KEY_GLOBEX = "sk-globex-test"
+PROMPT = "The quick brown fox"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def openai_cluster_config() -> ClusterConfig:
+    pool = {
+        "model": "tiny",
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": NUM_KV_BLOCKS,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 256,
+        "device": "cpu",
+    }
+    return ClusterConfig.from_dict(
+        {
+            "pools": [
+                {"name": "default", "workers": 2, **pool},
+                {"name": "other", "workers": 1, **pool},
+            ],
+            "tenants": [
+                {"name": "acme", "pool": "default", "api_key": KEY_ACME},
+                {"name": "globex", "pool": "other", "api_key": KEY_GLOBEX},
+            ],
+            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2},
+            "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
+        }
+    )
+
+
+# ----- request parsing (no cluster) -----------------------------------------------
+
+
+def test_chat_without_template_joins_role_lines_and_ends_with_assistant() -> None:
+    class NoTemplate:
+        chat_template = None
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat_prompt(messages, NoTemplate()) == "system: Be brief.\nuser: Hi\nassistant:"
+
+
+def test_parse_accepts_a_stop_string_and_a_batch_of_one_prompt() -> None:
+    parsed = parse_request({"prompt": ["Hello"], "stop": "\n", "temperature": 0}, chat=False)
+    assert parsed.prompt == "Hello"
+    assert parsed.sampling["stop"] == ("\n",)
+    assert parsed.sampling["temperature"] == 0.0
+
+
+def test_parse_rejects_n_above_one_saying_so() -> None:
+    with pytest.raises(IngressError, match="n must be 1"):
+        parse_request({"prompt": "Hello", "n": 2}, chat=False)
+
+
+def test_parse_rejects_a_batch_of_two_prompts() -> None:
+    with pytest.raises(IngressError, match="batched prompts are not supported"):
+        parse_request({"prompt": ["a", "b"]}, chat=False)
+
+
+def test_model_name_of_a_pool_resolves_to_the_tenants_pool() -> None:
+    config = openai_cluster_config()
+    assert resolve_pool(config, "tiny", config.tenant("globex")) == "other"
+    assert resolve_pool(config, "default", config.tenant("globex")) == "default"
+    assert resolve_pool(config, "", TenantConfig("x", "other")) == "other"
+
+
+def _serve_args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {"config": None, "model": None, "workers": None, "http_port": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_serve_serves_http_on_port_8000_unless_disabled_with_minus_one() -> None:
+    assert load_config(_serve_args()).server.http_port == 8000
+    assert load_config(_serve_args(http_port=-1)).server.http_port is None
+
+
+def test_serve_refuses_a_busy_http_port_in_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(CommandError, match=f"127.0.0.1:{port}.*--http-port"):
+            check_port_free("127.0.0.1", port, "--http-port")
+
+
+# ----- the cluster ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    running = start_cluster(openai_cluster_config())
+    try:
+        yield running
+    finally:
+        running.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(cluster: RunningCluster) -> Iterator[httpx.Client]:
+    assert cluster.http_url is not None
+    headers = {"Authorization": f"Bearer {KEY_ACME}"}
+    with httpx.Client(base_url=cluster.http_url, headers=headers, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(
+        model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
+    )
+
+
+def _worker_stats(cluster: RunningCluster, pool: str = "default") -> list[dict[str, Any]]:
+    return [dict(ray.get(h.stats.remote(), timeout=30)) for _, h in cluster.workers[pool]]
+
+
+def _pool_is_clean(cluster: RunningCluster, pool: str = "default") -> bool:
+    return all(
+        s["live"] == 0 and s["free"] + s["cached"] == s["total"]
+        for s in _worker_stats(cluster, pool)
+    )
+
+
+@pytest.fixture
+def pool_ends_clean(cluster: RunningCluster) -> Iterator[None]:
+    """After a generating test: no live blocks, and free + cached == total on every worker."""
+    yield
+    wait_for(lambda: _pool_is_clean(cluster), 30, "free + cached == total and no live blocks")
+
+
+def _complete(http: httpx.Client, prompt: str | list[int], **fields: Any) -> dict[str, Any]:
+    r = http.post("/v1/completions", json={"model": "default", "prompt": prompt, **fields})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _sse_events(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of an SSE response, JSON-decoded except the final "[DONE]"."""
+    events: list[Any] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    return dict(error)
+
+
+# ----- generation -----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_completion_equals_offline_greedy_generate(http: httpx.Client, offline: LLM) -> None:
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+    assert len(set(want.token_ids)) > 5, "reference output not diverse"
+    body = _complete(http, PROMPT, max_tokens=12, temperature=0)
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == want.text
+    assert body["choices"][0]["finish_reason"] == want.finish_reason
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert body["usage"]["total_tokens"] == len(want.token_ids) + len(want.prompt_token_ids)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_token_id_prompt_completes_like_the_text_prompt(http: httpx.Client, offline: LLM) -> None:
+    ids = [int(t) for t in offline.tokenizer.encode(PROMPT)]
+    by_ids = _complete(http, ids, max_tokens=6, temperature=0)
+    by_text = _complete(http, PROMPT, max_tokens=6, temperature=0)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_streamed_chunks_concatenate_to_the_completion_and_end_with_done(
+    http: httpx.Client, offline: LLM
+) -> None:
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+    fields = {"model": "default", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=fields) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1  # streamed, not one blob
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_stream_with_include_usage_ends_with_a_usage_chunk(http: httpx.Client) -> None:
+    fields = {
+        "model": "default", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=fields) as r:
+        events = _sse_events(r)
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_repeated_prompt_reports_cached_prompt_tokens(http: httpx.Client) -> None:
+    prompt = "A shared system prompt that spans more than two blocks of sixteen tokens each, " * 2
+    first = _complete(http, prompt, max_tokens=2, temperature=0)
+    second = _complete(http, prompt, max_tokens=2, temperature=0)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_SIZE
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_seed_makes_sampled_completions_reproducible(http: httpx.Client) -> None:
+    fields = {"max_tokens": 8, "temperature": 1.0, "seed": 1234}
+    assert _complete(http, PROMPT, **fields)["choices"] == _complete(http, PROMPT, **fields)["choices"]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_stop_string_ends_the_completion_before_it(http: httpx.Client) -> None:
+    full = _complete(http, PROMPT, max_tokens=12, temperature=0)["choices"][0]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string, got {stop!r} from {full!r}"
+    choice = _complete(http, PROMPT, max_tokens=12, temperature=0, stop=[stop])["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full[: full.index(stop)]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_chat_completion_answers_the_role_joined_prompt(http: httpx.Client, offline: LLM) -> None:
+    want = offline.generate(chat_prompt(CHAT, offline.tokenizer), SamplingParams(max_tokens=10))[0]
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "default", "messages": CHAT, "max_tokens": 10, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_chat_stream_has_openai_chunk_shape(http: httpx.Client, offline: LLM) -> None:
+    want = offline.generate(chat_prompt(CHAT, offline.tokenizer), SamplingParams(max_tokens=10))[0]
+    fields = {"model": "default", "messages": CHAT, "max_tokens": 10, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=fields) as r:
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+# ----- models, health, auth -------------------------------------------------------
+
+
+def test_models_lists_the_tenants_pool(http: httpx.Client) -> None:
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == ["default"]
+
+
+def test_health_is_ok_while_every_pool_has_a_live_worker(http: httpx.Client) -> None:
+    r = http.get("/health")
+    assert r.status_code == 200
+    assert r.json()["live_workers"] == {"default": 2, "other": 1}
+
+
+def test_unknown_model_is_404_with_an_openai_error(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": "gpt-17", "prompt": PROMPT})
+    error = _error(r, 404)
+    assert error["code"] == "model_not_found"
+    assert "gpt-17" in error["message"]
+
+
+def test_missing_api_key_is_401(cluster: RunningCluster) -> None:
+    assert cluster.http_url is not None
+    r = httpx.post(cluster.http_url + "/v1/completions", json={"prompt": PROMPT}, timeout=30)
+    assert _error(r, 401)["type"] == "authentication_error"
+
+
+def test_unknown_api_key_is_401(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": PROMPT},
+        headers={"Authorization": "Bearer sk-nobody"},
+    )
+    assert "unknown API key" in _error(r, 401)["message"]
+
+
+def test_another_tenants_pool_is_403(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": "other", "prompt": PROMPT})
+    assert "'other'" in _error(r, 403)["message"]
+
+
+def test_second_tenant_key_selects_its_own_pool(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEY_GLOBEX}"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "other"
+
+
+# ----- bad requests ---------------------------------------------------------------
+
+
+def test_too_long_prompt_is_400_with_the_limit(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8})
+    assert f"max_model_len {MAX_MODEL_LEN}" in _error(r, 400)["message"]
+
+
+def test_too_long_prompt_with_stream_is_a_400_not_an_event_stream(http: httpx.Client) -> None:
+    fields = {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8, "stream": True}
+    r = http.post("/v1/completions", json=fields)
+    assert f"max_model_len {MAX_MODEL_LEN}" in _error(r, 400)["message"]
+
+
+def test_negative_temperature_is_400_naming_the_field(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "temperature": -0.5})
+    assert "temperature must be >= 0" in _error(r, 400)["message"]
+
+
+def test_empty_prompt_is_400(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": ""})
+    assert "prompt is empty" in _error(r, 400)["message"]
+
+
+def test_n_above_one_is_400(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
+    assert "n must be 1" in _error(r, 400)["message"]
+
+
+def test_token_outside_the_vocabulary_is_400(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": [1, 10**6], "max_tokens": 2})
+    _error(r, 400)
+
+
+def test_body_that_is_not_json_is_400(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert "not valid JSON" in _error(r, 400)["message"]
+
+
+def test_unknown_route_is_404_json(http: httpx.Client) -> None:
+    _error(http.get("/v1/engines"), 404)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_server_keeps_serving_after_bad_requests(http: httpx.Client) -> None:
+    for bad in ({"prompt": ""}, {"prompt": PROMPT, "top_p": 7}, {"model": "nope", "prompt": "x"}):
+        assert http.post("/v1/completions", json=bad).status_code >= 400
+    assert _complete(http, PROMPT, max_tokens=3, temperature=0)["usage"]["completion_tokens"] == 3
+
+
+# ----- full pool, disconnect (last) ------------------------------------------------
+
+
+def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
+    cluster: RunningCluster,
+) -> None:
+    # Pool "other": 1 worker x max_num_seqs 4 + wait_queue_size 2 = 6 requests admitted.
+    assert cluster.http_url is not None
+    base_url = cluster.http_url
+    worker = cluster.workers["other"][0][1]
+    long = {
+        "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True,
+        "temperature": 0, "stream": True,
+    }  # fmt: skip
+
+    async def scenario() -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEY_GLOBEX}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
+
+            async def hold() -> None:
+                async with client.stream("POST", "/v1/completions", json=long) as r:
+                    await r.aread()  # until cancelled
+
+            holders = [asyncio.create_task(hold()) for _ in range(6)]
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # all six reached the worker: the ingress admitted them
+                    stats = await worker.stats.remote()
+                    if stats["num_running"] + stats["num_waiting"] == 6:
+                        break
+                    assert time.monotonic() < deadline, f"six requests never queued: {stats}"
+                    await asyncio.sleep(0.05)
+                return await client.post("/v1/completions", json={**long, "stream": False})
+            finally:
+                for task in holders:
+                    task.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+
+    r = asyncio.run(scenario())
+    assert "limit 6" in _error(r, 429)["message"]
+    wait_for(lambda: _pool_is_clean(cluster, "other"), 60, "pool 'other' freed after the disconnects")
+
+
+# ----- disconnect (last) ----------------------------------------------------------
+
+
+def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(
+    cluster: RunningCluster, http: httpx.Client
+) -> None:
+    wait_for(lambda: _pool_is_clean(cluster), 30, "a clean pool before the test")
+    cached_before = sum(s["cached"] for s in _worker_stats(cluster))
+    max_tokens = MAX_MODEL_LEN - 32
+    fields = {
+        "prompt": "Disconnect me after the first tokens, please", "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=fields) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        assert sum(s["live"] for s in _worker_stats(cluster)) > 0  # it is running
+    # Leaving the block closed the connection mid-stream.
+    wait_for(lambda: _pool_is_clean(cluster), 60, "blocks freed after the client disconnected")
+    # Aborted, not run to the end: a finished request would have left all of its
+    # ~max_tokens / BLOCK_SIZE full blocks cached.
+    cached_added = sum(s["cached"] for s in _worker_stats(cluster)) - cached_before
+    assert cached_added < max_tokens // BLOCK_SIZE // 2
