@@ -1,0 +1,102 @@
+"""`pagefleet generate "text"`: stream a completion to the terminal.
+
+Offline (the default) it loads the model in this process and runs the paged
+engine; with `--target HOST:PORT` it asks a running pagefleet server over gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagefleet.cli import CommandError
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `generate` subcommand."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "generate",
+        help="generate text from a prompt (offline, or from a server with --target)",
+        description="Generate a completion of PROMPT and stream it to stdout as it comes.",
+    )
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF model dir")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    parser.add_argument("--dtype", default="float32", help="offline: model dtype")
+    parser.add_argument("--device", default="cpu", help="offline: cpu or cuda[:N]")
+    parser.add_argument(
+        "--target", default=None, metavar="HOST:PORT", help="a pagefleet server's gRPC address"
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate and stream; exit code 0 on success."""
+    from pagefleet.worker.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    if args.target:
+        return _run_remote(args.target, args.prompt, params)
+    return _run_offline(args, params)
+
+
+def _run_offline(args: argparse.Namespace, params: Any) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from pagefleet.worker.config import EngineConfig
+    from pagefleet.worker.engine import LLMEngine, RequestError
+
+    hf_logging.disable_progress_bar()  # stdout/stderr carry the completion only
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+        engine = LLMEngine(config)
+        engine.add_request("cli", args.prompt, params)
+    except (ValueError, FileNotFoundError) as exc:  # RequestError is a ValueError
+        kind = "request" if isinstance(exc, RequestError) else "model"
+        raise CommandError(f"bad {kind}: {exc}") from exc
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            _write(out.new_text)
+    _write("\n")
+    return 0
+
+
+def _run_remote(target: str, prompt: str, params: Any) -> int:
+    try:
+        from pagefleet.cluster.client import stream_generate
+    except ImportError as exc:
+        raise CommandError(f"--target needs the cluster client, which is unavailable: {exc}") from exc
+    import grpc
+
+    try:
+        for response in stream_generate(target, prompt, params):
+            _write(response.text)
+    except grpc.RpcError as exc:
+        raise CommandError(f"{target}: {exc.code().name}: {exc.details()}") from exc
+    _write("\n")
+    return 0
+
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()

@@ -1,0 +1,205 @@
+"""AsyncEngine: the engine behind asyncio, one async iterator per request.
+
+The engine steps in one dedicated thread (a forward pass must not block the
+event loop). Callers never touch the engine directly: `generate` and `abort`
+put commands on a thread-safe queue that the engine thread applies between
+steps, and each step's deltas are handed back to the caller's event loop with
+`call_soon_threadsafe`. Any number of concurrent streams, from any number of
+event loops, are fine. Cancelling (or closing) a stream aborts its request,
+which frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.outputs import RequestOutput
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the original error is the cause."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    n: int
+    finished: set[int] = field(default_factory=set)  # seen by the engine thread only
+
+    def push(self, item: RequestOutput | BaseException) -> bool:
+        """Hand `item` to the stream's loop; False when that loop is closed (caller gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    def apply() -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    fut.get_loop().call_soon_threadsafe(apply)
+
+
+class AsyncEngine:
+    """An `LLMEngine` stepping in a background thread, streamed to asyncio callers."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        if engine is None:
+            engine = LLMEngine(config or EngineConfig())
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # held by the engine thread while it touches the engine
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the deltas of one request until all its completions finish.
+
+        Raises `RequestError` (from the first iteration) for a bad request.
+        Leaving the loop early or cancelling the task aborts the request.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), params.n)
+        added: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, priority, arrival_time, salt)
+            except Exception as exc:
+                _resolve(added, exc)
+                return
+            self._streams[request_id] = stream
+            _resolve(added, None)
+
+        self._submit(add)
+        done = False
+        finished: set[int] = set()
+        try:
+            await added
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise EngineDeadError("the engine thread failed") from item
+                if item.finished:
+                    finished.add(item.index)
+                    # An abort ends the request, whichever completion it reached first.
+                    done = len(finished) >= stream.n or item.finish_reason == "abort"
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); its stream ends with finish_reason "abort"."""
+        def abort() -> None:
+            self.engine.abort_request(request_id)
+
+        self._submit(abort)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters (waits for the current step to end)."""
+        with self._lock:
+            return self.engine.stats()
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        """Prefix-cache events since the last drain (waits for the current step to end)."""
+        with self._lock:
+            return self.engine.drain_kv_events()
+
+    def check_integrity(self) -> None:
+        """The engine's consistency check, between steps."""
+        with self._lock:
+            self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (open streams stay unanswered)."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError("the engine thread failed") from self._error
+        if self._stopped:
+            raise EngineDeadError("the engine was shut down")
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                with self._lock:
+                    while True:
+                        try:
+                            self._commands.get_nowait()()
+                        except queue.Empty:
+                            break
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step() if busy else []
+                self._dispatch(outputs)
+                if not busy:
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as exc:  # surfaced to every open stream, not lost in a thread
+            self._error = exc
+            for stream in self._streams.values():
+                stream.push(exc)
+            self._streams.clear()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                stream.finished.add(out.index)
+                if len(stream.finished) >= stream.n or out.finish_reason == "abort":
+                    del self._streams[out.request_id]
+            if not stream.push(out):
+                # Nobody can read this stream any more: stop the request.
+                self._streams.pop(out.request_id, None)
+                self.abort(out.request_id)
+
+    def __enter__(self) -> AsyncEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

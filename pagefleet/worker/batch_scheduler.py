@@ -1,0 +1,310 @@
+"""The per-step scheduling decisions of one engine: who runs, with how many tokens.
+
+Each step, in order:
+
+1. Running sequences, most important first (highest priority, then earliest
+   admitted): each gets its remaining tokens (1 in decode, the next chunk of a
+   long prefill) within the step's token budget. When its blocks cannot be
+   had, victims are preempted (`preemption.choose_victims`) among the
+   running sequences not yet scheduled this step, itself included.
+2. Swapped sequences come back (swap in) when their blocks fit; while any is
+   still out, no new request is admitted, so swapped work is never starved.
+3. Waiting sequences are admitted within `max_num_seqs` and the budget,
+   taking the longest cached prefix first (the last token is always
+   computed, since its logits are needed).
+
+Preemption modes: "recompute" frees the blocks and requeues the sequence at
+the front (its prompt and generated tokens are computed again, usually
+hitting its own just-cached blocks); "swap" copies the blocks to a bounded
+CPU swap space and frees them (falls back to recompute when the space is
+full); "auto" picks per victim whichever the measured costs say is cheaper.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagefleet.worker.block_pool import BlockPool
+from pagefleet.worker.block_table import BlockTable
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.kv_cache import KVCache
+from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
+from pagefleet.worker.prefix_hash import hash_token_blocks
+from pagefleet.worker.sequence import Sequence, SequenceStatus, SwappedKV
+
+# Starting estimates for "auto" preemption until steps and swaps are measured:
+# 0.2 ms per recomputed token (a small model on a CPU core; GPUs are far faster,
+# and the moving average corrects it within a few steps) and 4 GB/s for host
+# copies (below pinned-memory PCIe and DRAM bandwidth).
+INITIAL_RECOMPUTE_SECONDS_PER_TOKEN = 2e-4
+INITIAL_SWAP_BYTES_PER_SECOND = 4e9
+EMA_WEIGHT = 0.2  # weight of a new measurement in the moving averages
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence in this step: `num_new_tokens` tokens written to `slots`."""
+
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch, and the copy-on-write block copies to do before it runs."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _importance(seq: Sequence) -> tuple[int, int]:
+    return (-seq.priority, seq.admitted_seq)
+
+
+class BatchScheduler:
+    """Queues (waiting, running, swapped) and the decisions of each step."""
+
+    def __init__(self, config: EngineConfig, pool: BlockPool, kv: KVCache) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv = kv
+        self.block_size = config.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.preemptions = {"recompute": 0, "swap": 0}
+        self.swaps_out = 0
+        self.swaps_in = 0
+        self.swap_used_bytes = 0
+        self.cow_copies = 0
+        self.recompute_seconds_per_token = INITIAL_RECOMPUTE_SECONDS_PER_TOKEN
+        self.swap_bytes_per_second = INITIAL_SWAP_BYTES_PER_SECOND
+        self._admit_counter = 0
+        kv_shape = kv.tensor.shape
+        self.bytes_per_block = kv.nbytes // kv_shape[2]
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (no blocks yet)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Add a sequence that already holds blocks (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_seq = self._next_admit()
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out of every queue and release its blocks and swap space now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        if seq.swapped is not None:
+            self.swap_used_bytes -= seq.swapped.num_bytes
+            seq.swapped = None
+        if seq.table is not None:
+            seq.table.free()
+            seq.table = None
+        seq.status = SequenceStatus.FINISHED
+
+    def _next_admit(self) -> int:
+        self._admit_counter += 1
+        return self._admit_counter
+
+    # -------------------------------------------------------------- measuring
+
+    def observe_step(self, num_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
+        """Feed one step's timing into the recompute-cost estimate.
+
+        Only prefill-dominated steps count: recomputing a victim is a prefill.
+        """
+        if num_tokens > 0 and num_prefill_tokens * 2 >= num_tokens:
+            per_token = seconds / num_tokens
+            self.recompute_seconds_per_token += EMA_WEIGHT * (
+                per_token - self.recompute_seconds_per_token
+            )
+
+    def _observe_swap(self, num_bytes: int, seconds: float) -> None:
+        if seconds > 0 and num_bytes > 0:
+            self.swap_bytes_per_second += EMA_WEIGHT * (
+                num_bytes / seconds - self.swap_bytes_per_second
+            )
+
+    # --------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch; reserves the slots of every scheduled token."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        budget = self._schedule_swapped(out, budget)
+        if not self.swapped:
+            self._schedule_waiting(out, budget)
+        self.cow_copies += len(out.copies)
+        return out
+
+    def _room(self, out: SchedulerOutput, budget: int) -> bool:
+        return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=_importance)
+        pending = list(self.running)
+        for i, seq in enumerate(pending):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if not self._room(out, budget):
+                break  # keeps its blocks; runs next step
+            assert seq.table is not None
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, n, pending[i + 1 :]):
+                continue  # seq itself was preempted
+            result = seq.table.append_slots(n)
+            out.copies.extend(result.copies)
+            out.scheduled.append(ScheduledSeq(seq, n, result.slots))
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, others: list[Sequence]) -> bool:
+        """Preempt until `seq` can get blocks for `n` tokens; False if `seq` was the victim."""
+        assert seq.table is not None
+        while True:
+            needed = seq.table.blocks_needed(n)
+            if self.pool.can_allocate(needed):
+                return True
+            candidates = [
+                VictimCandidate(
+                    request_id=s.seq_id,
+                    priority=s.priority,
+                    arrival_time=s.request.arrival_time,
+                    admitted_seq=s.admitted_seq,
+                    num_blocks=len(s.table.block_ids) if s.table is not None else 0,
+                )
+                for s in [seq, *others]
+                if s.status is SequenceStatus.RUNNING
+            ]
+            victims = choose_victims(candidates, needed - self.pool.num_allocatable)
+            by_id = {s.seq_id: s for s in [seq, *others]}
+            victim = by_id[victims[0]]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        self.swapped.sort(key=_importance)
+        bs = self.block_size
+        while self.swapped and self._room(out, budget):
+            seq = self.swapped[0]
+            assert seq.swapped is not None
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.pool.can_allocate(-(-(seq.num_computed_tokens + n) // bs)):
+                break
+            table = BlockTable(self.pool)
+            table.append_slots(seq.num_computed_tokens)
+            start = time.perf_counter()
+            self.kv.swap_in(seq.swapped.handle, table.block_ids)
+            self._observe_swap(seq.swapped.num_bytes, time.perf_counter() - start)
+            self.swap_used_bytes -= seq.swapped.num_bytes
+            self.swaps_in += 1
+            seq.swapped = None
+            seq.table = table
+            # The swapped-in copies stay unregistered: the originals still hold the
+            # hashes in the pool (as cached blocks) until evicted.
+            seq.num_registered_blocks = seq.num_computed_tokens // bs
+            self.swapped.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            result = table.append_slots(n)
+            out.copies.extend(result.copies)
+            out.scheduled.append(ScheduledSeq(seq, n, result.slots))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if any(s.priority != 0 for s in self.waiting):
+            self.waiting = deque(sorted(self.waiting, key=lambda s: -s.priority))  # stable
+        bs = self.block_size
+        caching = self.config.enable_prefix_caching
+        while self.waiting and self._room(out, budget):
+            seq = self.waiting[0]
+            hashes = (
+                hash_token_blocks(seq.token_ids[: seq.num_tokens - 1], bs, salt=seq.request.salt)
+                if caching
+                else []
+            )
+            # Cheap optimistic check before lookup() takes refs and counts a query:
+            # even if every hashed block hits, the rest of the chunk needs new blocks.
+            best_computed = len(hashes) * bs
+            best_n = min(seq.num_tokens - best_computed, budget)
+            if not self.pool.can_allocate(-(-best_n // bs)):
+                break
+            table = BlockTable(self.pool)
+            hits = self.pool.lookup(hashes) if hashes else []
+            table.append_cached(hits)
+            computed = len(hits) * bs
+            n = min(seq.num_tokens - computed, budget)
+            if not self.pool.can_allocate(table.blocks_needed(n)):
+                table.free()
+                break
+            result = table.append_slots(n)
+            self.waiting.popleft()
+            seq.table = table
+            seq.num_computed_tokens = computed
+            seq.num_registered_blocks = len(hits)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_seq = self._next_admit()
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                seq.request.num_cached_tokens = computed
+            self.running.append(seq)
+            out.copies.extend(result.copies)
+            out.scheduled.append(ScheduledSeq(seq, n, result.slots))
+            budget -= n
+
+    # -------------------------------------------------------------- preemption
+
+    def preempt(self, seq: Sequence) -> str:
+        """Preempt a running sequence; returns the mode used ("recompute" or "swap")."""
+        assert seq.table is not None and seq.status is SequenceStatus.RUNNING
+        self.running.remove(seq)
+        num_bytes = len(seq.table.block_ids) * self.bytes_per_block
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = choose_mode(
+                seq.num_computed_tokens,
+                num_bytes,
+                self.recompute_seconds_per_token,
+                self.swap_bytes_per_second,
+            )
+        if mode == "swap" and self.swap_used_bytes + num_bytes > self.config.swap_space_bytes:
+            mode = "recompute"  # swap space full
+        if mode == "swap":
+            start = time.perf_counter()
+            handle = self.kv.swap_out(seq.table.block_ids)
+            self._observe_swap(num_bytes, time.perf_counter() - start)
+            seq.swapped = SwappedKV(handle, len(seq.table.block_ids), num_bytes)
+            self.swap_used_bytes += num_bytes
+            self.swaps_out += 1
+            seq.table.free()
+            seq.table = None
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            seq.table.free()
+            seq.table = None
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.preemptions[mode] += 1
+        return mode

@@ -1,0 +1,348 @@
+"""LLMEngine: continuous batching of many requests over one paged KV pool.
+
+`add_request` validates and queues; each `step()` lets the batch scheduler
+pick the step's tokens (running sequences first, then swapped-in, then newly
+admitted ones, within `max_num_seqs` and `max_num_batched_tokens`), runs one
+forward over all of them packed together, samples a token for every
+sequence whose tokens are now all computed, and returns one delta per
+completion that progressed. Full blocks are registered in the prefix cache
+as soon as they are written, prompt and generated tokens alike.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from pagefleet.worker.batch_scheduler import BatchScheduler
+from pagefleet.worker.block_pool import BlockPool
+from pagefleet.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from pagefleet.worker.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
+from pagefleet.worker.model_runner import ModelRunner, StepBatch
+from pagefleet.worker.outputs import RequestOutput
+from pagefleet.worker.prefix_hash import extend_block_hashes
+from pagefleet.worker.sampler import sample
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the limit that was broken."""
+
+
+class LLMEngine:
+    """One model, one KV pool, many concurrent requests (not thread-safe; see AsyncEngine)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device)
+        self.tokenizer: Any = self.runner.tokenizer
+        self.vocab_size: int = self.runner.vocab_size
+        self.eos_token_ids: set[int] = set(self.runner.eos_token_ids)
+        model_len = self.runner.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_len}"
+            )
+        self.max_model_len = config.max_model_len or model_len
+        shape = self.runner.model_shape
+        num_blocks = self._num_kv_blocks(shape)
+        self.kv = KVCache(shape, num_blocks, config.block_size, config.device)
+        self.runner.bind_kv_cache(self.kv)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = BatchScheduler(config, self.pool, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
+
+    def _num_kv_blocks(self, shape: ModelShape) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_memory_bytes is not None:
+            return blocks_for_budget(shape, cfg.kv_memory_bytes, cfg.block_size)
+        if torch.device(cfg.device).type == "cuda":
+            # Budget = utilisation share of the device, minus what is used now
+            # (weights, other processes) and the activations of a full-budget forward.
+            free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+            activations = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens)
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
+            return blocks_for_budget(shape, budget, cfg.block_size)
+        return blocks_for_budget(shape, DEFAULT_CPU_KV_BYTES, cfg.block_size)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """Validate and queue a request; raises RequestError naming the broken limit.
+
+        `priority`: larger is more important (admitted first, preempted last).
+        `salt` (the tenant) separates prefix-cache entries between tenants.
+        """
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_token_ids(prompt)
+        self._validate(prompt_ids, params)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            salt=salt,
+            base_seed=base_seed,
+        )
+        seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(prompt_ids, params))
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: pass the prompt as token ids")
+            return [int(t) for t in self.tokenizer.encode(prompt)]
+        return [int(t) for t in prompt]
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty: at least 1 token is required")
+        for pos, tok in enumerate(prompt_ids):
+            if not 0 <= tok < self.vocab_size:
+                raise RequestError(
+                    f"prompt token id {tok} at position {pos} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        # The last generated token is never written to the cache.
+        bs = self.config.block_size
+        blocks = -(-(total - 1) // bs)
+        if blocks > self.pool.num_blocks:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
+                f"{blocks} KV blocks of {bs} tokens, but the pool has only {self.pool.num_blocks}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none")
+
+    def _detokenizer(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or done.
+
+        Its final delta (finish_reason "abort") comes out of the next `step()`.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+                self._pending.append(self._delta(seq))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request runs or waits, or an abort is still to be reported."""
+        return bool(self.requests) or bool(self._pending)
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns one delta per completion that progressed."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        if sched.copies:
+            self.kv.copy_blocks(sched.copies)
+        batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0],
+                          context_lens=[], block_tables=[])
+        num_prefill = 0
+        for item in sched.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            batch.input_ids.extend(seq.token_ids[start : start + n])
+            batch.positions.extend(range(start, start + n))
+            batch.slot_mapping.extend(item.slots)
+            batch.query_start_loc.append(batch.query_start_loc[-1] + n)
+            batch.context_lens.append(start + n)
+            assert seq.table is not None
+            batch.block_tables.append(list(seq.table.block_ids))
+            if n > 1:
+                num_prefill += n
+        started = time.perf_counter()
+        logits = self.runner.execute(batch)
+        self.scheduler.observe_step(
+            len(batch.input_ids), num_prefill, time.perf_counter() - started
+        )
+
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        for row, item in enumerate(sched.scheduled):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self._register_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that is not the last: no token yet
+            request = seq.request
+            if request.params.n > 1 and not request.forked:
+                request.forked = True
+                for index in range(1, request.params.n):
+                    rows.append(row)
+                    sampled.append(self._fork(seq, index))
+            rows.append(row)
+            sampled.append(seq)
+        if not sampled:
+            return outputs
+        tokens = sample(
+            logits[rows],
+            [s.request.params for s in sampled],
+            [s.generator for s in sampled],
+        )
+        for seq, token in zip(sampled, tokens, strict=True):
+            self._append_token(seq, token)
+            outputs.append(self._delta(seq))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                if seq.request.finished:
+                    self.requests.pop(seq.request.request_id, None)
+        return outputs
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        request = parent.request
+        child = Sequence(
+            request, index, list(parent.token_ids),
+            self._detokenizer(request.prompt_token_ids, request.params),
+        )
+        assert parent.table is not None
+        child.table = parent.table.fork()  # shares every block; the last one copy-on-write
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
+        request.sequences.append(child)
+        self.scheduler.add_running(child)
+        return child
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Make every newly full, written block findable by later prefix lookups."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        full = seq.num_computed_tokens // bs
+        if full <= seq.num_registered_blocks:
+            return
+        assert seq.table is not None
+        hashes = extend_block_hashes(
+            [], seq.token_ids[: full * bs], bs, salt=seq.request.salt
+        )
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.table.block_ids[i], hashes[i])
+        seq.num_registered_blocks = full
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        params = seq.request.params
+        stop_text = seq.detokenizer.add_token(token) if seq.detokenizer is not None else False
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if eos or token in params.stop_token_ids or stop_text:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _delta(self, seq: Sequence) -> RequestOutput:
+        output_ids = seq.output_token_ids
+        new_ids = output_ids[seq.num_emitted_tokens :]
+        seq.num_emitted_tokens = len(output_ids)
+        new_text = ""
+        text = ""
+        if seq.detokenizer is not None:
+            new_text = seq.detokenizer.take_delta(final=seq.finish_reason is not None)
+            text = seq.detokenizer.emitted_text
+        return RequestOutput(
+            request_id=seq.request.request_id,
+            index=seq.index,
+            prompt_token_ids=seq.request.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            token_ids=output_ids,
+            text=text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.request.num_cached_tokens,
+        )
+
+    # -------------------------------------------------------------- inspection
+
+    def stats(self) -> dict[str, int]:
+        """Pool counters plus queue lengths, preemptions by mode and swaps."""
+        sched = self.scheduler
+        out: dict[str, int] = dict(self.pool.stats().as_dict())
+        out.update(
+            block_size=self.config.block_size,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            preemptions_recompute=sched.preemptions["recompute"],
+            preemptions_swap=sched.preemptions["swap"],
+            preemptions_total=sum(sched.preemptions.values()),
+            swaps_out=sched.swaps_out,
+            swaps_in=sched.swaps_in,
+            swap_used_bytes=sched.swap_used_bytes,
+            cow_copies=sched.cow_copies,
+        )
+        return out
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        """Prefix-cache events ("stored" | "removed", block hash) since the last drain."""
+        return self.pool.drain_events()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless pool and sequences agree block for block.
+
+        Every block is free, cached or live (the pool's own check), and each
+        live block's ref count equals the number of running sequences holding it.
+        """
+        self.pool.check_integrity()
+        sched = self.scheduler
+        holders: Counter[int] = Counter()
+        for seq in sched.running:
+            assert seq.status is SequenceStatus.RUNNING, f"{seq} in the running queue"
+            assert seq.table is not None, f"running {seq} has no block table"
+            assert seq.table.num_tokens == seq.num_computed_tokens, (
+                f"{seq}: block table holds {seq.table.num_tokens} tokens"
+            )
+            holders.update(seq.table.block_ids)
+        for seq in [*sched.waiting, *sched.swapped]:
+            assert seq.table is None, f"{seq} holds blocks outside the running queue"
+        for block in range(self.pool.num_blocks):
+            assert self.pool.ref_count(block) == holders[block], (
+                f"block {block} has ref count {self.pool.ref_count(block)} "
+                f"but {holders[block]} sequences hold it"
+            )
+        swap_bytes = sum(s.swapped.num_bytes for s in sched.swapped if s.swapped is not None)
+        assert swap_bytes == sched.swap_used_bytes, "swap space accounting is off"

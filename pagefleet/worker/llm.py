@@ -1,0 +1,105 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.outputs import CompletionOutput, RequestOutput
+from pagefleet.worker.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate offline with the paged engine, in the style of vLLM's `LLM`.
+
+    `engine_kwargs` are any other `EngineConfig` fields (`dtype`, `device`,
+    `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`,
+    `preemption_mode`, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | Path = "tiny",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model=model, block_size=block_size, num_kv_blocks=num_kv_blocks, **engine_kwargs
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's HF tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order.
+
+        `prompts` is a string, a list of token ids, or a list of those. Each
+        output's `token_ids`, `text` and `finish_reason` describe completion 0;
+        `outputs` holds all `params.n` completions by index. Any invalid
+        request raises `RequestError` before anything runs.
+        """
+        batch = _as_prompt_list(prompts)
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(param_list)} SamplingParams")
+        ids = [f"llm-{next(self._ids)}" for _ in batch]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(ids, batch, param_list, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # reports the aborts; schedules nothing new
+            raise
+        finals: dict[tuple[str, int], RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[(out.request_id, out.index)] = out
+        results = []
+        for request_id, p in zip(ids, param_list, strict=True):
+            completions = [finals[(request_id, i)] for i in range(p.n)]
+            first = completions[0]
+            first.outputs = [
+                CompletionOutput(c.index, c.token_ids, c.text, c.finish_reason) for c in completions
+            ]
+            first.new_token_ids, first.new_text = first.token_ids, first.text
+            results.append(first)
+        return results
+
+    def stats(self) -> dict[str, int]:
+        """Pool counters (total, free, live, cached, peak_live, prefix tokens, evictions),
+        queue lengths, preemptions by mode and swaps."""
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the pool or any block table is inconsistent."""
+        self.engine.check_integrity()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # one prompt given as token ids
+    return [p if isinstance(p, str) else [int(t) for t in p] for p in items]

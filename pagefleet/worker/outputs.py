@@ -1,0 +1,47 @@
+"""What the engine hands back: per-step deltas and finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One finished (or in-progress) completion of a request; `n > 1` gives several."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one completion (`index`) of one request.
+
+    `LLMEngine.step()` returns one of these per completion that progressed:
+    `new_token_ids` / `new_text` are the delta of this step, `token_ids` /
+    `text` everything generated so far. `finish_reason` is None while the
+    completion runs, then "stop" (EOS, a stop token or a stop string),
+    "length" (`max_tokens`) or "abort". `num_cached_tokens` counts prompt
+    tokens served from the prefix cache at admission.
+
+    `LLM.generate()` returns one per prompt: the fields describe completion 0
+    and `outputs` holds all `n` completions, ordered by index.
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """True once this completion has a finish reason."""
+        return self.finish_reason is not None

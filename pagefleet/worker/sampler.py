@@ -1,0 +1,54 @@
+"""Turn each sequence's last-token logits into its next token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of `logits` ([num_rows, vocab]).
+
+    Greedy rows take the argmax (first index on ties, like HF). Other rows
+    apply temperature, top-k and top-p, then draw with the row's own
+    generator, on CPU in float32 so a seed gives the same token on any
+    device and in any batch.
+    """
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        picked = logits[greedy].argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, picked, strict=True):
+            tokens[i] = int(tok)
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = logits[i].detach().to(device="cpu", dtype=torch.float32)
+        probs = sampling_probs(row, p)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+    return tokens
+
+
+def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities of one row after temperature, top-k and top-p filtering."""
+    scaled = row / params.temperature
+    if 0 < params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens strictly before it already reach top_p; the
+        # most likely token always stays.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.softmax(scaled, dim=-1)

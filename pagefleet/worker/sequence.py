@@ -1,0 +1,127 @@
+"""Request and sequence state inside the engine.
+
+A request owns `n` sequences (completions). Sequence 0 is created at
+`add_request`; the others fork from it once its prompt is computed, sharing
+every prompt block copy-on-write. The single counter `num_computed_tokens`
+(tokens whose K/V are in the cache) drives prefill, chunked prefill, prefix
+hits, decode and recompute alike: each step computes
+`token_ids[num_computed_tokens:]`, capped by the token budget.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagefleet.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagefleet.worker.block_table import BlockTable
+    from pagefleet.worker.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: which queue holds it."""
+
+    WAITING = "waiting"  # no blocks (new, or preempted by recompute)
+    RUNNING = "running"  # holds blocks in the pool
+    SWAPPED = "swapped"  # its blocks live in the CPU swap space
+    FINISHED = "finished"
+
+
+@dataclass
+class SwappedKV:
+    """Blocks of a sequence parked in the CPU swap space."""
+
+    handle: Any  # what KVCache.swap_out returned
+    num_blocks: int
+    num_bytes: int
+
+
+@dataclass
+class Request:
+    """One client request: a prompt, its sampling parameters and `n` sequences."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    salt: str | None
+    base_seed: int
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    forked: bool = False  # siblings 1..n-1 exist
+
+    @property
+    def finished(self) -> bool:
+        """True once every completion has finished (siblings included)."""
+        if self.params.n > 1 and not self.forked:
+            # Only sequence 0 exists before the fork, and it can only end by abort.
+            return bool(self.sequences) and self.sequences[0].finish_reason == "abort"
+        return all(seq.finish_reason is not None for seq in self.sequences)
+
+
+class Sequence:
+    """One completion being generated: its tokens, cache progress and queue state."""
+
+    def __init__(
+        self,
+        request: Request,
+        index: int,
+        token_ids: list[int],
+        detokenizer: IncrementalDetokenizer | None,
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.seq_id = f"{request.request_id}#{index}"
+        self.token_ids = token_ids  # prompt followed by generated tokens
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.table: BlockTable | None = None
+        self.status = SequenceStatus.WAITING
+        self.admitted_seq = -1
+        self.swapped: SwappedKV | None = None
+        self.num_registered_blocks = 0  # leading full blocks whose hash is in the pool
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.num_emitted_tokens = 0  # generated tokens already reported in a delta
+        self.generator: torch.Generator | None = None
+        if not request.params.greedy:
+            # A private generator per sequence: its draws do not depend on batch mates.
+            self.generator = torch.Generator().manual_seed(derive_seed(request.base_seed, index))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+def derive_seed(base_seed: int, index: int) -> int:
+    """Seed of completion `index`: distinct per index, stable across runs."""
+    # Odd 64-bit multiplier (golden ratio) spreads indexes; keep inside torch's int64 seed range.
+    return (base_seed + index * 0x9E3779B97F4A7C15) % (2**63)

@@ -1,0 +1,113 @@
+"""SamplingParams validation, the sampler's filters and incremental detokenization."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from pagefleet.worker.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.sampler import sample, sampling_probs
+from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.tiny_model import build_tiny_tokenizer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"stop": ("",)}, "stop strings must be non-empty"),
+        ({"stop_token_ids": (-3,)}, "stop_token_ids must be >= 0"),
+    ],
+)
+def test_sampling_params_reject_bad_values_naming_the_limit(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_a_single_stop_string() -> None:
+    assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_greedy_rows_take_the_first_argmax() -> None:
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample(logits, [SamplingParams(), SamplingParams()], [None, None]) == [1, 0]
+
+
+def test_top_k_one_always_picks_the_argmax() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=5.0, top_k=1)
+    gen = torch.Generator().manual_seed(1)
+    picks = {sample(logits, [params], [gen])[0] for _ in range(20)}
+    assert picks == {int(logits.argmax())}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = sampling_probs(row, SamplingParams(temperature=1.0, top_p=0.8))
+    # 0.5 alone < 0.8, 0.5 + 0.3 reaches it: the two most likely stay, renormalised.
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_top_k_keeps_exactly_k_tokens() -> None:
+    row = torch.tensor([1.0, 4.0, 2.0, 3.0])
+    probs = sampling_probs(row, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [False, True, False, True]
+
+
+def test_seeded_draws_do_not_depend_on_batch_mates() -> None:
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0)
+    alone = [sample(logits[1:2], [params], [torch.Generator().manual_seed(7)])[0]]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 7, 3)]
+    batched = sample(logits, [params] * 3, gens)
+    assert batched[1] == alone[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return build_tiny_tokenizer()
+
+
+def run_detok(
+    tokenizer, text: str, stop: tuple[str, ...]
+) -> tuple[list[str], IncrementalDetokenizer]:  # type: ignore[no-untyped-def]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"), stop)
+    deltas = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        stopped = detok.add_token(token)
+        deltas.append(detok.take_delta(final=stopped))
+        if stopped:
+            break
+    return deltas, detok
+
+
+def test_incremental_text_equals_decoding_everything(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "The café served crème brûlée — naïve 猫 emoji 🙂 done."
+    deltas, _ = run_detok(tokenizer, text, ())
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_is_cut_from_the_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    deltas, detok = run_detok(tokenizer, "alpha beta STOP gamma", ("STOP",))
+    assert detok.stopped
+    assert "".join(deltas) == detok.text
+    assert detok.text.rstrip() == "alpha beta"
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"), ("world peace",))
+    streamed = ""
+    for token in tokenizer.encode("hello world", add_special_tokens=False):
+        detok.add_token(token)
+        streamed += detok.take_delta()
+    assert not detok.stopped
+    assert streamed == "hello "  # "world" could still become "world peace"
+    assert streamed + detok.take_delta(final=True) == "hello world"
