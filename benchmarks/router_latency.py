@@ -22,8 +22,8 @@ import random
 import time
 from collections.abc import Sequence
 
-from pagefleet.worker.events import KVEventBatch, LoadReport
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
+from pagefleet.worker.events import KVEventBatch, LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 POOL = "bench"

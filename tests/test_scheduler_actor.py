@@ -10,7 +10,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagefleet.worker.events import LoadReport  # noqa: E402
 from pagefleet.scheduler.actor import (  # noqa: E402
     SCHEDULER_NAME,
     ReportAck,
@@ -18,6 +17,7 @@ from pagefleet.scheduler.actor import (  # noqa: E402
     start_scheduler,
 )
 from pagefleet.scheduler.state import WorkerInfo  # noqa: E402
+from pagefleet.worker.events import LoadReport  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagefleet.worker.events import LoadReport
 from pagefleet.scheduler.policy import (
     ClusterWaitQueue,
     EvictionWatermarks,
@@ -16,6 +15,7 @@ from pagefleet.scheduler.policy import (
     choose_preemption,
     choose_preemption_mode,
 )
+from pagefleet.worker.events import LoadReport
 from pagefleet.worker.preemption import VictimCandidate
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagefleet.worker.events import EventDecodeError, LoadReport
 from pagefleet.scheduler.state import ClusterState, WorkerInfo
+from pagefleet.worker.events import EventDecodeError, LoadReport
 
 
 class FakeClock:
