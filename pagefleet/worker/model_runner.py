@@ -191,6 +191,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         self.dtype = parse_dtype(dtype)
         if self.dtype not in _DTYPES:
@@ -206,6 +207,8 @@ class ModelRunner:
             ) from exc
         self.sliding_windows = check_supported(self.hf_config)
         register_paged_attention()
+        # A server's log is no place for a progress bar per worker start.
+        hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         )
