@@ -79,23 +79,10 @@ def paged_attention(
     are host-side hints that spare a device sync. Returns
     ``[num_tokens, q_heads, head_dim]`` in the query's dtype.
     """
+    impl = paged_attention_reference
     if choose_backend(query) == "triton":
-        from pagefleet.kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            query_start_loc,
-            context_lens,
-            scale,
-            sliding_window=sliding_window,
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
-            out=out,
-        )
-    return paged_attention_reference(
+        from pagefleet.kernels.triton_attention import paged_attention_triton as impl
+    return impl(
         query,
         k_cache,
         v_cache,
