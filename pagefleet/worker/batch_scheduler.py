@@ -31,7 +31,6 @@ from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import KVCache
 from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
-from pagefleet.worker.prefix_hash import hash_token_blocks
 from pagefleet.worker.sequence import Sequence, SequenceStatus, SwappedKV
 
 # Starting estimates for "auto" preemption until steps and swaps are measured:
@@ -238,11 +237,8 @@ class BatchScheduler:
         caching = self.config.enable_prefix_caching
         while self.waiting and self._room(out, budget):
             seq = self.waiting[0]
-            hashes = (
-                hash_token_blocks(seq.token_ids[: seq.num_tokens - 1], bs, salt=seq.request.salt)
-                if caching
-                else []
-            )
+            # The last prompt token is always computed: its logits are needed.
+            hashes = seq.full_block_hashes(seq.num_tokens - 1, bs) if caching else []
             # Cheap optimistic check before lookup() takes refs and counts a query:
             # even if every hashed block hits, the rest of the chunk needs new blocks.
             best_computed = len(hashes) * bs

@@ -25,7 +25,6 @@ from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.outputs import RequestOutput
-from pagefleet.worker.prefix_hash import extend_block_hashes
 from pagefleet.worker.sampler import sample
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
@@ -168,6 +167,18 @@ class LLMEngine:
                 self._pending.append(self._delta(seq))
         return True
 
+    def evict_cached(self, n: int) -> int:
+        """Evict up to `n` cached blocks (least recently used first) to free blocks now.
+
+        Running requests keep their blocks; only unused prefix-cache entries go,
+        each with a "removed" KV event, counted in `stats()["evictions"]`.
+        Returns how many were evicted. The central scheduler asks for this to
+        keep a worker above its free-block watermark.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return self.pool.evict_cached(n)
+
     def has_unfinished_requests(self) -> bool:
         """True while any request runs or waits, or an abort is still to be reported."""
         return bool(self.requests) or bool(self._pending)
@@ -245,6 +256,7 @@ class LLMEngine:
         child.table = parent.table.fork()  # shares every block; the last one copy-on-write
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
+        child.block_hashes = list(parent.block_hashes)
         request.sequences.append(child)
         self.scheduler.add_running(child)
         return child
@@ -258,9 +270,7 @@ class LLMEngine:
         if full <= seq.num_registered_blocks:
             return
         assert seq.table is not None
-        hashes = extend_block_hashes(
-            [], seq.token_ids[: full * bs], bs, salt=seq.request.salt
-        )
+        hashes = seq.full_block_hashes(full * bs, bs)
         for i in range(seq.num_registered_blocks, full):
             self.pool.register(seq.table.block_ids[i], hashes[i])
         seq.num_registered_blocks = full

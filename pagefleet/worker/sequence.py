@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagefleet.worker.prefix_hash import extend_block_hashes
 from pagefleet.worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,6 +87,10 @@ class Sequence:
         self.admitted_seq = -1
         self.swapped: SwappedKV | None = None
         self.num_registered_blocks = 0  # leading full blocks whose hash is in the pool
+        # Chained prefix hashes of the full blocks of token_ids, computed once each as
+        # the sequence grows (its tokens never change, so they stay valid across
+        # preemption); copied by a fork.
+        self.block_hashes: list[bytes] = []
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         self.num_emitted_tokens = 0  # generated tokens already reported in a delta
@@ -97,6 +102,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def full_block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """Prefix hashes of the full blocks among the first `num_tokens` tokens."""
+        full = num_tokens // block_size
+        if len(self.block_hashes) < full:
+            self.block_hashes.extend(
+                extend_block_hashes(
+                    self.block_hashes, self.token_ids, block_size, salt=self.request.salt
+                )
+            )
+        return self.block_hashes[:full]
 
     @property
     def output_token_ids(self) -> list[int]:
