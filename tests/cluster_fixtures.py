@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from pagefleet.cluster.client import build_request
+from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
@@ -67,14 +67,16 @@ def tokens_of(messages: list[pb.GenerateResponse]) -> list[int]:
     return [t for m in messages for t in m.token_ids]
 
 
-def status(target: str, pool: str = "") -> pb.StatusResponse:
+def status(target: str, pool: str = "", api_key: str | None = None) -> pb.StatusResponse:
     channel, s = stub(target)
     with channel:
-        return s.GetStatus(pb.StatusRequest(pool=pool), timeout=30)
+        return s.GetStatus(pb.StatusRequest(pool=pool), timeout=30, metadata=auth_metadata(api_key))
 
 
-def pool_status(target: str, pool: str = "default") -> pb.PoolStatus:
-    return status(target, pool).pools[0]
+def pool_status(
+    target: str, pool: str = "default", api_key: str | None = None
+) -> pb.PoolStatus:
+    return status(target, pool, api_key).pools[0]
 
 
 def wait_for(

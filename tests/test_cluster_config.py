@@ -152,3 +152,14 @@ def test_router_weights_come_from_yaml() -> None:
 def test_unknown_pool_lookup_raises_key_error() -> None:
     with pytest.raises(KeyError):
         ClusterConfig.default().pool("nope")
+
+
+def test_eviction_watermarks_come_from_the_scheduler_section_and_zero_turns_them_off() -> None:
+    pools = [{"name": "default"}]
+    on = ClusterConfig.from_dict(
+        {"pools": pools, "scheduler": {"evict_low_watermark": 0.2, "evict_high_watermark": 0.3}}
+    )
+    marks = on.scheduler.eviction_watermarks()
+    assert marks is not None and (marks.low, marks.high) == (0.2, 0.3)
+    off = ClusterConfig.from_dict({"pools": pools, "scheduler": {"evict_low_watermark": 0}})
+    assert off.scheduler.eviction_watermarks() is None

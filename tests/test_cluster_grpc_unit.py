@@ -1,13 +1,22 @@
-"""The gRPC edge without Ray: request validation, tenants, the client's message building."""
+"""The gRPC edge without Ray: request validation, tenants, the client's message building,
+and the ingress's admission into its cluster wait queue."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from pagefleet.cluster.client import build_request, format_status, sampling_to_proto
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.grpc_server import api_key_from_metadata, request_from_proto
-from pagefleet.cluster.ingress import ErrorCode, Ingress, IngressError
+from pagefleet.cluster.ingress import (
+    ErrorCode,
+    GenerationRequest,
+    Ingress,
+    IngressError,
+    WorkerSlot,
+)
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -104,8 +113,77 @@ def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:
 def test_pool_without_live_workers_is_unavailable() -> None:
     ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a"}]}), {})
     with pytest.raises(IngressError) as err:
-        ingress._admit(ingress.config.pools[0])
+        ingress._admit(ingress.config.pools[0], _request("r0"), [1, 2, 3])
     assert err.value.code is ErrorCode.UNAVAILABLE
+
+
+# ----- the cluster wait queue (admission only: no request reaches a worker) -----
+
+
+def _request(request_id: str) -> GenerationRequest:
+    return GenerationRequest.create(request_id=request_id, prompt=[1, 2, 3], sampling={})
+
+
+def _two_full_workers() -> Ingress:
+    """Pool "a": two live workers taking one request each, and a wait queue of 2."""
+    config = ClusterConfig.from_dict(
+        {"pools": [{"name": "a", "max_num_seqs": 1}], "scheduler": {"wait_queue_size": 2}}
+    )
+    # Admission never calls a worker, so the handles can be placeholders.
+    ingress = Ingress(config, {"a": [("w0", None), ("w1", None)]})
+    for slot in ingress._pools["a"]:
+        slot.alive = True
+        ingress.router.set_alive(slot.worker_id, True)
+    return ingress
+
+
+def test_requests_beyond_the_workers_room_wait_and_leave_in_fifo_order() -> None:
+    async def scenario() -> None:
+        ingress = _two_full_workers()
+        pool = ingress.config.pools[0]
+        first = ingress._admit(pool, _request("r1"), [1, 2, 3])
+        second = ingress._admit(pool, _request("r2"), [1, 2, 3])
+        assert isinstance(first, WorkerSlot) and isinstance(second, WorkerSlot)
+        assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # one each
+        waiting = [ingress._admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
+        assert not any(isinstance(w, WorkerSlot) for w in waiting)
+        assert ingress.status("a")[0]["num_waiting"] == 2
+        first.in_flight -= 1  # r1 finished
+        ingress._dispatch("a")
+        w3, w4 = (w for w in waiting if not isinstance(w, WorkerSlot))
+        assert w3.future.result() is first and not w4.future.done()
+        assert ingress.status("a")[0]["num_waiting"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_full_wait_queue_is_resource_exhausted_naming_the_limit() -> None:
+    async def scenario() -> None:
+        ingress = _two_full_workers()
+        pool = ingress.config.pools[0]
+        for r in ("r1", "r2", "r3", "r4"):
+            ingress._admit(pool, _request(r), [1, 2, 3])
+        with pytest.raises(IngressError) as err:
+            ingress._admit(pool, _request("r5"), [1, 2, 3])
+        assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "limit 4 (2 workers x max_num_seqs 1 + wait_queue_size 2)" in err.value.message
+
+    asyncio.run(scenario())
+
+
+def test_aborting_a_waiting_request_ends_it_and_frees_its_place() -> None:
+    async def scenario() -> None:
+        ingress = _two_full_workers()
+        pool = ingress.config.pools[0]
+        for r in ("r1", "r2"):
+            ingress._admit(pool, _request(r), [1, 2, 3])
+        waiter = ingress._admit(pool, _request("r3"), [1, 2, 3])
+        assert not isinstance(waiter, WorkerSlot)
+        assert await ingress.abort("r3")
+        assert waiter.future.result() is None  # generate() ends the stream with "abort"
+        assert ingress.status("a")[0]["num_waiting"] == 0
+
+    asyncio.run(scenario())
 
 
 def test_format_status_prints_one_row_per_worker() -> None:

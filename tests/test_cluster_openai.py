@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import ray
-from cluster_fixtures import wait_for
+from cluster_fixtures import pool_status, wait_for
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
@@ -342,6 +343,33 @@ def test_another_tenants_pool_is_403(http: httpx.Client) -> None:
     assert "'other'" in _error(r, 403)["message"]
 
 
+def test_grpc_status_and_abort_need_an_api_key_when_tenants_have_keys(
+    cluster: RunningCluster,
+) -> None:
+    from pagefleet.cluster.client import abort, get_status
+
+    for call in (
+        lambda key: get_status(cluster.grpc_target, api_key=key),
+        lambda key: abort(cluster.grpc_target, "no-such-request", api_key=key),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call(None)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        call(KEY_ACME)  # the same call with a key is answered
+
+
+def test_generate_command_sends_its_api_key(
+    cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagefleet.cli import main
+
+    argv = ["generate", PROMPT, "--target", cluster.grpc_target, "--max-tokens", "3"]
+    assert main([*argv, "--api-key", KEY_ACME]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main([*argv, "--api-key", "sk-nobody"]) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 def test_second_tenant_key_selects_its_own_pool(http: httpx.Client) -> None:
     r = http.post(
         "/v1/completions",
@@ -410,7 +438,8 @@ def test_server_keeps_serving_after_bad_requests(http: httpx.Client) -> None:
 def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
     cluster: RunningCluster,
 ) -> None:
-    # Pool "other": 1 worker x max_num_seqs 4 + wait_queue_size 2 = 6 requests admitted.
+    # Pool "other": 1 worker x max_num_seqs 4 + wait_queue_size 2 = 6 requests admitted:
+    # four run on the worker, two wait in the ingress's queue.
     assert cluster.http_url is not None
     base_url = cluster.http_url
     worker = cluster.workers["other"][0][1]
@@ -430,11 +459,15 @@ def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
             holders = [asyncio.create_task(hold()) for _ in range(6)]
             try:
                 deadline = time.monotonic() + 60
-                while True:  # all six reached the worker: the ingress admitted them
+                while True:  # four on the worker, two in the ingress queue: all six admitted
                     stats = await worker.stats.remote()
-                    if stats["num_running"] + stats["num_waiting"] == 6:
+                    pool = await asyncio.to_thread(
+                        pool_status, cluster.grpc_target, "other", KEY_GLOBEX
+                    )
+                    on_worker = stats["num_running"] + stats["num_waiting"]
+                    if on_worker == 4 and pool.num_running + pool.num_waiting == 6:
                         break
-                    assert time.monotonic() < deadline, f"six requests never queued: {stats}"
+                    assert time.monotonic() < deadline, f"six requests never admitted: {stats}"
                     await asyncio.sleep(0.05)
                 return await client.post("/v1/completions", json={**long, "stream": False})
             finally:
@@ -445,6 +478,12 @@ def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
     r = asyncio.run(scenario())
     assert "limit 6" in _error(r, 429)["message"]
     wait_for(lambda: _pool_is_clean(cluster, "other"), 60, "pool 'other' freed after the disconnects")
+    # The two clients that disconnected while queued left the ingress queue too.
+    wait_for(
+        lambda: pool_status(cluster.grpc_target, "other", KEY_GLOBEX).num_waiting == 0,
+        30,
+        "the ingress wait queue of pool 'other' empty after the disconnects",
+    )
 
 
 # ----- disconnect (last) ----------------------------------------------------------

@@ -301,6 +301,74 @@ def test_full_pool_answers_resource_exhausted(cluster: RunningCluster, target: s
             channel.close()
 
 
+def _hold_spare0(cluster: RunningCluster, target: str) -> list[tuple[grpc.Channel, Any]]:
+    """Four long streams: spare0's one worker (max_num_seqs 4) has no room left."""
+    holders = [open_stream_in_pool(target, f"hold the worker {i}", "spare0") for i in range(4)]
+    worker_id = cluster.workers["spare0"][0][0]
+    wait_for(
+        lambda: (lambda s: s["num_running"] + s["num_waiting"])(_worker_stats(cluster, worker_id)) == 4,
+        30,
+        "four requests on spare0's worker",
+    )
+    return holders
+
+
+def _on_worker_and_pool(cluster: RunningCluster, target: str) -> tuple[int, int]:
+    """(requests in spare0's engine, requests the pool status counts incl. the ingress queue)."""
+    s = _worker_stats(cluster, cluster.workers["spare0"][0][0])
+    p = pool_status(target, "spare0")
+    return s["num_running"] + s["num_waiting"], p.num_running + p.num_waiting
+
+
+def test_request_waits_at_the_ingress_and_runs_when_a_slot_frees(
+    cluster: RunningCluster, target: str
+) -> None:
+    holders = _hold_spare0(cluster, target)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(generate, target, "wait for a slot", pool="spare0", max_tokens=2)
+            # Late binding: the fifth request is not sent to the full worker's engine queue.
+            wait_for(
+                lambda: _on_worker_and_pool(cluster, target) == (4, 5),
+                30,
+                "four requests on the worker and one waiting at the ingress",
+            )
+            for _channel, it in holders:
+                it.cancel()
+            result = queued.result(timeout=120)
+        assert result[-1].finish_reason == "length"
+        assert len(tokens_of(result)) == 2
+    finally:
+        for channel, it in holders:
+            it.cancel()
+            channel.close()
+
+
+def test_a_cancelled_waiting_request_leaves_the_ingress_queue(
+    cluster: RunningCluster, target: str
+) -> None:
+    holders = _hold_spare0(cluster, target)
+    channel, waiting = open_stream_in_pool(target, "cancel me while I wait", "spare0")
+    try:
+        wait_for(
+            lambda: _on_worker_and_pool(cluster, target) == (4, 5),
+            30,
+            "four requests on the worker and one waiting at the ingress",
+        )
+        waiting.cancel()
+        # The pool's count (reports + ingress queue) falls back to what the engine holds.
+        wait_for(
+            lambda: (lambda c: c[0] == c[1])(_on_worker_and_pool(cluster, target)),
+            30,
+            "the cancelled request gone from the ingress queue",
+        )
+    finally:
+        channel.close()
+        for holder_channel, it in holders:
+            it.cancel()
+            holder_channel.close()
+
+
 def open_stream_in_pool(target: str, prompt: str, pool: str) -> tuple[grpc.Channel, Any]:
     channel, s = stub(target)
     req = pb.GenerateRequest(
@@ -414,3 +482,13 @@ def test_pool_without_a_live_worker_answers_unavailable(
         generate(target, "nobody home", pool="spare0", max_tokens=2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert generate(target, "the default pool still serves", max_tokens=2)[-1].finish_reason
+    # A pool with no live worker is a degraded server: the health service says so.
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="pagefleet.v1.Generation")
+        wait_for(
+            lambda: health.Check(request, timeout=10).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING,
+            10,
+            "health NOT_SERVING while pool spare0 has no live worker",
+        )

@@ -220,3 +220,24 @@ def test_prefix_cache_same_salt_hits_and_other_salt_misses(engine: LLMEngine) ->
             for out in engine.step():
                 cached[out.request_id] = out.num_cached_tokens
     assert cached == {"t1": 0, "t2": 32, "t3": 0}
+
+
+def test_evict_cached_frees_lru_cached_blocks_with_removed_events(engine: LLMEngine) -> None:
+    engine.add_request("fill-cache", list(range(3, 40)), SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.drain_kv_events()
+    before = engine.stats()
+    assert before["cached"] >= 2
+    assert engine.evict_cached(1) == 1
+    after = engine.stats()
+    assert (after["cached"], after["free"]) == (before["cached"] - 1, before["free"] + 1)
+    assert after["evictions"] == before["evictions"] + 1
+    assert [kind for kind, _ in engine.drain_kv_events()] == ["removed"]
+    assert engine.evict_cached(10**6) == before["cached"] - 1  # never more than there are
+    assert engine.stats()["cached"] == 0
+
+
+def test_evict_cached_rejects_a_negative_count(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        engine.evict_cached(-1)

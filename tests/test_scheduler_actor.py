@@ -16,8 +16,12 @@ from pagefleet.scheduler.actor import (  # noqa: E402
     get_scheduler,
     start_scheduler,
 )
+from pagefleet.scheduler.policy import EvictionWatermarks  # noqa: E402
 from pagefleet.scheduler.state import WorkerInfo  # noqa: E402
-from pagefleet.worker.events import LoadReport  # noqa: E402
+from pagefleet.worker.actor import create_worker  # noqa: E402
+from pagefleet.worker.config import EngineConfig  # noqa: E402
+from pagefleet.worker.events import KVEventBatch, LoadReport  # noqa: E402
+from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -97,3 +101,52 @@ def test_restarted_scheduler_has_a_new_generation_and_rebuilds_from_re_registrat
 
 def test_no_scheduler_in_an_empty_namespace(ray_session: None) -> None:
     assert get_scheduler("pagefleet-test-nobody-here") is None
+
+
+def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(scheduler: Any) -> None:
+    generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
+    # 64 blocks, 1 free, 23 cached: under 5% free, so evict up to 10% (7 blocks) free.
+    low = LoadReport("w0", "chat", 1, 0.0, 64, 1, 40, 23, 40).encode()
+    assert ray.get(scheduler.report.remote("w0", low)) == ReportAck(generation, True, 6)
+
+
+def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:
+    # low = high = 1.0: any cached block is below the watermark, so every one is evicted.
+    sched = start_scheduler(
+        namespace=NAMESPACE, report_timeout_s=30.0, eviction=EvictionWatermarks(1.0, 1.0)
+    )
+    worker = create_worker(
+        "evicting-worker",
+        "chat",
+        EngineConfig(model="tiny", block_size=4, num_kv_blocks=32, max_model_len=64),
+        namespace=NAMESPACE,
+        name="evicting-worker",
+        report_interval_s=0.1,
+    )
+    try:
+        indexed: set[bytes] = set()  # what a router following the KV events believes is cached
+
+        def follow_events() -> None:
+            _incarnation, _report, kv = ray.get(worker.poll.remote())
+            for kind, block_hash in KVEventBatch.decode(kv).events:
+                (indexed.add if kind == "stored" else indexed.discard)(block_hash)
+
+        prompt = list(range(3, 20))  # four full blocks, cached once the request ends
+        stream = worker.generate.options(num_returns="streaming").remote(
+            "r1", prompt, SamplingParams(max_tokens=30, ignore_eos=True)
+        )
+        for i, ref in enumerate(stream):
+            ray.get(ref)
+            if i == 0:
+                follow_events()  # usually drains the prompt's "stored" events
+        deadline = time.monotonic() + 60
+        while (stats := ray.get(worker.stats.remote()))["evictions"] == 0:
+            assert time.monotonic() < deadline, f"no eviction within 60 s: {stats}"
+            time.sleep(0.1)
+        assert stats["cached"] == 0 and stats["live"] == 0
+        assert stats["free"] == stats["total"]
+        follow_events()
+        assert indexed == set()  # the evictions were announced as "removed"
+    finally:
+        ray.kill(worker, no_restart=True)
+        ray.kill(sched, no_restart=True)

@@ -184,3 +184,21 @@ def test_request_cannot_wait_twice() -> None:
     queue.push("chat", "r1", 1)
     with pytest.raises(ValueError, match="already waiting"):
         queue.push("chat", "r1", 1)
+
+
+def test_wait_queue_peek_shows_the_oldest_without_removing_it() -> None:
+    queue: ClusterWaitQueue[str] = ClusterWaitQueue(4)
+    queue.push("chat", "r1", "x")
+    queue.push("chat", "r2", "y")
+    assert queue.peek("chat") == ("r1", "x")
+    assert queue.peek("chat") == ("r1", "x")
+    assert queue.peek("batch") is None
+    assert queue.size("chat") == 2
+
+
+def test_wait_queue_get_finds_a_waiting_item_by_request_id() -> None:
+    queue: ClusterWaitQueue[str] = ClusterWaitQueue(4)
+    queue.push("chat", "r1", "x")
+    assert queue.get("r1") == "x"
+    queue.remove("r1")
+    assert queue.get("r1") is None

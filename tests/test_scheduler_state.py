@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.scheduler.state import ClusterState, WorkerInfo
 from pagefleet.worker.events import EventDecodeError, LoadReport
 
@@ -147,3 +148,28 @@ def test_re_registration_forgets_the_old_processes_report(state: ClusterState) -
     state.register_worker(WorkerInfo("w0", "chat", 100))  # the worker restarted
     state.report(report("w0", 1, free=77))
     assert state.latest_report("w0").free_blocks == 77  # type: ignore[union-attr]
+
+
+def _full_report(worker_id: str, *, free: int, cached: int) -> LoadReport:
+    # 100 blocks: `free` free, `cached` evictable, the rest in use.
+    return LoadReport(worker_id, "chat", 1, 0.0, 100, free, 100 - free - cached, cached, 90)
+
+
+def test_blocks_to_evict_refills_the_free_list_to_the_high_watermark(clock: FakeClock) -> None:
+    s = ClusterState(report_timeout_s=3.0, clock=clock, eviction=EvictionWatermarks(0.05, 0.10))
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    assert s.blocks_to_evict("w0") == 0  # no report yet
+    s.report(_full_report("w0", free=2, cached=30))
+    assert s.blocks_to_evict("w0") == 8  # 2 free -> 10 free (10% of 100)
+
+
+def test_blocks_to_evict_is_zero_above_the_low_watermark_or_without_watermarks(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    state.report(_full_report("w0", free=2, cached=30))
+    assert state.blocks_to_evict("w0") == 0  # this state has no watermarks
+    s = ClusterState(report_timeout_s=3.0, clock=clock, eviction=EvictionWatermarks(0.05, 0.10))
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.report(_full_report("w0", free=6, cached=30))
+    assert s.blocks_to_evict("w0") == 0
+    assert s.blocks_to_evict("ghost") == 0

@@ -197,7 +197,9 @@ def start_cluster(
 
     namespace = ray.get_runtime_context().namespace
     scheduler = start_scheduler(
-        namespace=namespace, report_timeout_s=config.scheduler.report_timeout_s
+        namespace=namespace,
+        report_timeout_s=config.scheduler.report_timeout_s,
+        eviction=config.scheduler.eviction_watermarks(),
     )
     workers = _start_workers(config, namespace)
     serve.start(http_options={"location": "NoServer"})

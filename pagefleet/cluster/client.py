@@ -75,6 +75,11 @@ def build_request(
     return req
 
 
+def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    """Call metadata carrying `api_key` as a bearer token (nothing when None)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
 def stream_generate(
     target: str,
     prompt: str | Sequence[int],
@@ -84,6 +89,7 @@ def stream_generate(
     pool: str = "",
     priority: int = 0,
     timeout: float | None = None,
+    api_key: str | None = None,
 ) -> Iterator[pb.GenerateResponse]:
     """Stream one generation from the server at `target` ("host:port").
 
@@ -95,25 +101,36 @@ def stream_generate(
     """
     request = build_request(prompt, params, request_id=request_id, pool=pool, priority=priority)
     with grpc.insecure_channel(target) as channel:
-        call = pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+        call = pb_grpc.GenerationStub(channel).Generate(
+            request, timeout=timeout, metadata=auth_metadata(api_key)
+        )
         try:
             yield from call
         finally:
             call.cancel()  # no-op when the stream already ended
 
 
-def get_status(target: str, pool: str = "", timeout: float | None = 10.0) -> pb.StatusResponse:
+def get_status(
+    target: str, pool: str = "", timeout: float | None = 10.0, api_key: str | None = None
+) -> pb.StatusResponse:
     """The server's per pool and per worker KV block counters."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        return stub.GetStatus(pb.StatusRequest(pool=pool), timeout=timeout)
+        return stub.GetStatus(
+            pb.StatusRequest(pool=pool), timeout=timeout, metadata=auth_metadata(api_key)
+        )
 
 
-def abort(target: str, request_id: str, timeout: float | None = 10.0) -> bool:
+def abort(
+    target: str, request_id: str, timeout: float | None = 10.0, api_key: str | None = None
+) -> bool:
     """Abort a running request by id; False when the server does not know it."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        return bool(stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout).found)
+        reply = stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=auth_metadata(api_key)
+        )
+        return bool(reply.found)
 
 
 def format_status(status: pb.StatusResponse) -> str:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pagefleet.cluster.router import RouterConfig
+from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.worker.config import DTYPES, PREEMPTION_MODES, EngineConfig
 
 SCHEDULER_POLICIES = ("watermark", "none")
@@ -174,7 +175,13 @@ class TenantConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Central scheduler settings: liveness, wait queue bound, eviction watermarks."""
+    """Central scheduler settings: liveness, wait queue bound, eviction watermarks.
+
+    `wait_queue_size` bounds, per pool, the requests waiting at the ingress for a
+    worker with room. Below `evict_low_watermark` free blocks (a fraction of a
+    worker's pool) the scheduler asks the worker to evict cached blocks until
+    `evict_high_watermark` are free; `evict_low_watermark: 0` turns that off.
+    """
 
     policy: str = "watermark"
     report_interval_s: float = 0.5
@@ -201,6 +208,12 @@ class SchedulerConfig:
                 f"{self.evict_low_watermark} and {self.evict_high_watermark}",
             )
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+
+    def eviction_watermarks(self) -> EvictionWatermarks | None:
+        """The free-block watermarks the scheduler asks workers to keep; None (off) when the low mark is 0."""
+        if self.evict_low_watermark == 0:
+            return None
+        return EvictionWatermarks(self.evict_low_watermark, self.evict_high_watermark)
 
 
 DEFAULT_HTTP_PORT = 8000

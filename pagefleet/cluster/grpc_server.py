@@ -7,6 +7,7 @@ Routing, fault handling and aborts live in `pagefleet.cluster.ingress`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ _STATUS_CODES = {
 }
 
 DEFAULT_MAX_TOKENS = 16
+HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
 
 
 def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -128,16 +130,46 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
+        try:
+            self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+        except IngressError as exc:
+            await context.abort(_STATUS_CODES[exc.code], exc.message)
         return pb.AbortResponse(found=await self._ingress.abort(request.request_id))
 
     async def GetStatus(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         try:
+            self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
             pools = self._ingress.status(request.pool or None)
         except IngressError as exc:
             await context.abort(_STATUS_CODES[exc.code], exc.message)
         return json_format.ParseDict({"pools": pools}, pb.StatusResponse())
+
+
+def serving_status(ingress: Ingress) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    """SERVING while every pool has a live worker (as the HTTP /health says), else NOT_SERVING."""
+    ok = all(p["live_workers"] > 0 for p in ingress.status())
+    return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _track_health(
+    server: grpc.aio.Server, ingress: Ingress, health_servicer: health.aio.HealthServicer
+) -> None:
+    """Keep the health service's answer in step with worker liveness until the server stops."""
+    last = None
+    while True:
+        status = serving_status(ingress)
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            last = status
+        if not await server.wait_for_termination(timeout=HEALTH_INTERVAL_S):
+            return  # terminated (True would mean the wait timed out)
+
+
+# Strong references to the health trackers: the event loop keeps only weak ones.
+_health_tasks: set[asyncio.Task[None]] = set()
 
 
 async def start_grpc_server(ingress: Ingress, host: str = "0.0.0.0", port: int = 50051) -> tuple[grpc.aio.Server, int]:
@@ -157,6 +189,8 @@ async def start_grpc_server(ingress: Ingress, host: str = "0.0.0.0", port: int =
     if bound == 0:
         raise OSError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    task = asyncio.get_running_loop().create_task(_track_health(server, ingress, health_servicer))
+    _health_tasks.add(task)
+    task.add_done_callback(_health_tasks.discard)
+    await asyncio.sleep(0)  # the first status is set before anyone can ask
     return server, bound

@@ -7,6 +7,15 @@ Ray streaming call to the worker and relays the deltas. A background task
 polls every worker for its load report and KV events and feeds the router,
 so the router's index of cached prefixes stays fresh asynchronously.
 
+Admission (late binding): a request is sent to a worker only when some live
+worker of its pool has room for it (fewer than max_num_seqs of the ingress's
+requests in flight there and, by its latest load report, free plus cached
+blocks for the prompt's uncached blocks). Otherwise it waits, FIFO per pool,
+in a bounded `ClusterWaitQueue` at the ingress and is routed when a request
+finishes or a poll shows capacity, so the router places it with fresh load and
+cache information instead of it queuing blind inside one worker's engine.
+Past the queue's bound the request is refused with RESOURCE_EXHAUSTED.
+
 Faults: when a worker dies mid-stream, the request is re-submitted to
 another live worker of the same pool as prompt + the tokens already streamed
 (recompute), with `max_tokens` reduced by what was streamed; the client's
@@ -37,6 +46,8 @@ from ray.exceptions import (
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
+from pagefleet.scheduler.policy import ClusterWaitQueue, ResourceExhausted, can_admit
+from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import EventDecodeError, KVEventBatch, LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -131,6 +142,22 @@ class WorkerSlot:
     # not pile up calls, and each KV event batch must be applied exactly once.
     poll_task: asyncio.Task[tuple[str, bytes, bytes]] | None = None
     poll_started: float = 0.0
+    # Requests this ingress has sent to the worker and not seen finish: exact and
+    # never stale, unlike the report's counts, so admission counts on it.
+    in_flight: int = 0
+
+
+@dataclass
+class _Waiter:
+    """A request waiting in the cluster wait queue for a worker with room.
+
+    `future` resolves to the slot it was routed to (with `in_flight` already
+    counted), or to None when the request was aborted while waiting.
+    """
+
+    prompt_ids: list[int]
+    hashes: list[bytes]
+    future: asyncio.Future[WorkerSlot | None]
 
 
 @dataclass
@@ -175,7 +202,7 @@ class Ingress:
                 self.router.set_alive(worker_id, False)
         self._tokenizers: dict[str, Any] = {}
         self._running: dict[str, _Running] = {}
-        self._outstanding: dict[str, int] = dict.fromkeys(self._pools, 0)
+        self._waiting: ClusterWaitQueue[_Waiter] = ClusterWaitQueue(config.scheduler.wait_queue_size)
         self._poller: asyncio.Task[None] | None = None
         self.policy = config.router.policy
 
@@ -217,14 +244,14 @@ class Ingress:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
         """Stream one request; raises IngressError before or during the stream."""
         pool = self._pool_config(req.pool)
-        if req.request_id in self._running:
+        if req.request_id in self._running or req.request_id in self._waiting:
             raise IngressError(
                 ErrorCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
         prompt_ids = self._prompt_ids(pool, req.prompt)
         self._check_length(pool, prompt_ids, req.params)
-        self._admit(pool)
         started = time.monotonic()
+        admitted = self._admit(pool, req, prompt_ids)
         first_token_at: float | None = None
         streamed: list[int] = []
         prompt_tokens = len(prompt_ids)
@@ -232,8 +259,12 @@ class Ingress:
         state: _Running | None = None
         finished = False
         try:
-            slot = self._route(pool.name, prompt_ids, req.salt, exclude=())
-            state = _Running(slot)
+            routed = admitted if isinstance(admitted, WorkerSlot) else await admitted.future
+            if routed is None:  # aborted while waiting: it never reached a worker
+                finished = True
+                yield StreamDelta(req.request_id, [], "", "abort", "", prompt_tokens)
+                return
+            state = _Running(routed)
             self._running[req.request_id] = state
             while True:
                 remaining = req.params.max_tokens - len(streamed)
@@ -300,20 +331,35 @@ class Ingress:
                         prompt_tokens, len(streamed), cached_tokens or 0,
                     )
                     return
-                state.slot = self._route(
+                moved = self._route(
                     pool.name, [*prompt_ids, *streamed], req.salt, exclude=state.tried
                 )
+                state.slot.in_flight -= 1
+                state.slot = moved
+                moved.in_flight += 1
         finally:
-            self._outstanding[pool.name] -= 1
             if state is not None:
+                state.slot.in_flight -= 1
                 self._running.pop(req.request_id, None)
                 if not finished:
                     # Client gone (cancel, disconnect) or an error: the worker must free
                     # the request's blocks now, not when it would have finished.
                     _fire_and_forget(state.slot.handle.abort.remote(req.request_id))
+            elif not isinstance(admitted, WorkerSlot):
+                self._leave_queue(req.request_id, admitted)
+            else:
+                admitted.in_flight -= 1
+            # A worker may have room now: hand it to the oldest waiting request.
+            self._dispatch(pool.name)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a running request; its stream ends with finish_reason "abort"."""
+        """Abort a running or waiting request; its stream ends with finish_reason "abort"."""
+        waiter = self._find_waiter(request_id)
+        if waiter is not None:
+            self._waiting.remove(request_id)
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+            return True
         state = self._running.get(request_id)
         if state is None:
             return False
@@ -380,21 +426,102 @@ class Ingress:
             ) from exc
         return self._slots[decision.worker_id]
 
-    def _admit(self, pool: PoolConfig) -> None:
-        """Bound what a pool holds: running slots of its live workers plus the wait queue."""
-        live = sum(1 for slot in self._pools[pool.name] if slot.alive)
+    def _admit(
+        self, pool: PoolConfig, req: GenerationRequest, prompt_ids: list[int]
+    ) -> WorkerSlot | _Waiter:
+        """Route now when a worker has room and nobody waits, else join the pool's wait queue.
+
+        Returns the routed slot (its `in_flight` counted) or the queued waiter.
+        Raises UNAVAILABLE without a live worker and RESOURCE_EXHAUSTED when
+        the wait queue is full.
+        """
+        slots = self._pools[pool.name]
+        live = sum(1 for slot in slots if slot.alive)
         if live == 0:
             raise IngressError(ErrorCode.UNAVAILABLE, f"no live worker in pool {pool.name!r}")
-        max_num_seqs = int(pool.engine_kwargs().get("max_num_seqs") or _DEFAULT_MAX_NUM_SEQS)
-        bound = live * max_num_seqs + self.config.scheduler.wait_queue_size
-        if self._outstanding[pool.name] >= bound:
+        hashes = self.router.block_hashes(pool.name, prompt_ids, salt=req.salt)
+        if self._waiting.size(pool.name) == 0:  # FIFO: nobody may overtake a waiting request
+            slot = self._place(pool, prompt_ids, hashes)
+            if slot is not None:
+                return slot
+        waiter = _Waiter(prompt_ids, hashes, asyncio.get_running_loop().create_future())
+        try:
+            self._waiting.push(pool.name, req.request_id, waiter)
+        except ResourceExhausted as exc:
+            max_num_seqs = self._max_num_seqs(pool)
+            queue = self.config.scheduler.wait_queue_size
+            running = sum(slot.in_flight for slot in slots)
             raise IngressError(
                 ErrorCode.RESOURCE_EXHAUSTED,
-                f"pool {pool.name!r} is full: {self._outstanding[pool.name]} requests outstanding, "
-                f"limit {bound} ({live} workers x max_num_seqs {max_num_seqs} + "
-                f"wait_queue_size {self.config.scheduler.wait_queue_size})",
-            )
-        self._outstanding[pool.name] += 1
+                f"pool {pool.name!r} is full: {running} requests running and "
+                f"{self._waiting.size(pool.name)} waiting, limit {live * max_num_seqs + queue} "
+                f"({live} workers x max_num_seqs {max_num_seqs} + wait_queue_size {queue}); "
+                "retry later",
+            ) from exc
+        return waiter
+
+    def _place(self, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]) -> WorkerSlot | None:
+        """Route to a live worker with room (counting it in flight there), or None if all are full."""
+        full = [
+            slot.worker_id
+            for slot in self._pools[pool.name]
+            if not self._has_room(slot, pool, prompt_ids, hashes)
+        ]
+        try:
+            decision = self.router.route_hashes(pool.name, hashes, policy=self.policy, exclude=full)
+        except NoWorkerAvailable:
+            return None
+        slot = self._slots[decision.worker_id]
+        slot.in_flight += 1
+        return slot
+
+    def _has_room(
+        self, slot: WorkerSlot, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]
+    ) -> bool:
+        if not slot.alive:
+            return False
+        if slot.in_flight == 0:
+            return True  # an idle worker takes anything that fits max_model_len
+        if slot.in_flight >= self._max_num_seqs(pool):
+            return False
+        if slot.report is None:
+            return True
+        # The report may be one poll old; the poll that refreshes it dispatches again.
+        matched = self.router.matched_blocks(slot.worker_id, hashes)
+        return can_admit(slot.report, len(prompt_ids), pool.block_size, matched_blocks=matched)
+
+    def _dispatch(self, pool_name: str) -> None:
+        """Route the pool's oldest waiting requests while a worker has room for them."""
+        # With every worker out of routing (restarting, or a late report) the waiters
+        # keep waiting: the poll that sees a worker back dispatches them.
+        pool = self._pool_config(pool_name)
+        while (head := self._waiting.peek(pool_name)) is not None:
+            request_id, waiter = head
+            if waiter.future.done():
+                # Its task was cancelled and has not run its cleanup yet: skip it.
+                self._waiting.remove(request_id)
+                continue
+            slot = self._place(pool, waiter.prompt_ids, waiter.hashes)
+            if slot is None:
+                return  # FIFO: the head waits for room, and so does everyone behind it
+            self._waiting.remove(request_id)
+            waiter.future.set_result(slot)
+
+    def _leave_queue(self, request_id: str, waiter: _Waiter) -> None:
+        """A waiting request's client went away: drop it, or give back the slot it just got."""
+        if self._find_waiter(request_id) is waiter:
+            self._waiting.remove(request_id)
+        if not waiter.future.done():
+            waiter.future.cancel()
+        elif not waiter.future.cancelled() and (slot := waiter.future.result()) is not None:
+            # Routed, but cancelled before it could start: the worker never saw it.
+            slot.in_flight -= 1
+
+    def _find_waiter(self, request_id: str) -> _Waiter | None:
+        return self._waiting.get(request_id)
+
+    def _max_num_seqs(self, pool: PoolConfig) -> int:
+        return int(pool.engine_kwargs().get("max_num_seqs") or EngineConfig.max_num_seqs)
 
     def _prompt_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
         if not isinstance(prompt, str):
@@ -457,8 +584,11 @@ class Ingress:
             await asyncio.sleep(self._poll_interval_s)
 
     async def poll_once(self) -> None:
-        """Pull every worker's load report and KV events once (concurrently)."""
+        """Pull every worker's load report and KV events once (concurrently), then
+        route waiting requests the fresh reports show room for."""
         await asyncio.gather(*(self._poll_worker(slot) for slot in self._slots.values()))
+        for pool in self._pools:
+            self._dispatch(pool)
 
     async def _poll_worker(self, slot: WorkerSlot) -> None:
         task = slot.poll_task
@@ -524,11 +654,12 @@ class Ingress:
             }
             for key in _BLOCK_FIELDS:
                 entry[key] = sum(w[key] for w in live)
+            # Waiting in the pool = in the workers' engine queues + in the ingress's queue.
+            entry["num_waiting"] += self._waiting.size(cfg.name)
             out.append(entry)
         return out
 
 
-_DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's default
 _BLOCK_FIELDS = (
     "total_blocks",
     "free_blocks",

@@ -7,6 +7,7 @@ engine; with `--target HOST:PORT` it asks a running pagefleet server over gRPC.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -34,6 +35,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--target", default=None, metavar="HOST:PORT", help="a pagefleet server's gRPC address"
     )
+    parser.add_argument("--pool", default="", help="with --target: the pool to use")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEFLEET_API_KEY"),
+        help="with --target: the tenant's API key (default: $PAGEFLEET_API_KEY)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     if args.target:
-        return _run_remote(args.target, args.prompt, params)
+        return _run_remote(args, params)
     return _run_offline(args, params)
 
 
@@ -80,7 +87,7 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
     return 0
 
 
-def _run_remote(target: str, prompt: str, params: Any) -> int:
+def _run_remote(args: argparse.Namespace, params: Any) -> int:
     try:
         from pagefleet.cluster.client import stream_generate
     except ImportError as exc:
@@ -88,10 +95,12 @@ def _run_remote(target: str, prompt: str, params: Any) -> int:
     import grpc
 
     try:
-        for response in stream_generate(target, prompt, params):
+        for response in stream_generate(
+            args.target, args.prompt, params, pool=args.pool, api_key=args.api_key
+        ):
             _write(response.text)
     except grpc.RpcError as exc:
-        raise CommandError(f"{target}: {exc.code().name}: {exc.details()}") from exc
+        raise CommandError(f"{args.target}: {exc.code().name}: {exc.details()}") from exc
     _write("\n")
     return 0
 

@@ -14,24 +14,34 @@ from typing import Any
 
 import ray
 
+from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.scheduler.state import ClusterState, ClusterView, PoolCapacity, WorkerInfo
 
 SCHEDULER_NAME = "pagefleet-scheduler"
+# SchedulerConfig's defaults: evict ahead when under 5% of a worker's blocks are free.
+DEFAULT_EVICTION = EvictionWatermarks(low=0.05, high=0.10)
 
 
 @dataclass(frozen=True)
 class ReportAck:
-    """Answer to a load report: re-register when `registered` is False or the generation changed."""
+    """Answer to a load report: re-register when `registered` is False or the generation changed.
+
+    `evict_blocks`: cached blocks the worker should evict now to get back above
+    the free-block watermark (0: none).
+    """
 
     generation: int
     registered: bool
+    evict_blocks: int = 0
 
 
 class SchedulerActor:
     """Plain class with the actor's methods; `start_scheduler` wraps it with `ray.remote`."""
 
-    def __init__(self, report_timeout_s: float = 3.0) -> None:
-        self._state = ClusterState(report_timeout_s=report_timeout_s)
+    def __init__(
+        self, report_timeout_s: float = 3.0, eviction: EvictionWatermarks | None = DEFAULT_EVICTION
+    ) -> None:
+        self._state = ClusterState(report_timeout_s=report_timeout_s, eviction=eviction)
 
     def register_worker(self, info: WorkerInfo) -> int:
         """Add or refresh a worker (idempotent); returns the scheduler's generation."""
@@ -42,9 +52,10 @@ class SchedulerActor:
         return self._state.deregister_worker(worker_id)
 
     def report(self, worker_id: str, data: bytes) -> ReportAck:
-        """Accept a msgpack LoadReport; the ack tells the worker whether to re-register."""
+        """Accept a msgpack LoadReport; the ack says whether to re-register and what to evict."""
         registered = self._state.report_bytes(worker_id, data)
-        return ReportAck(self._state.generation, registered)
+        evict = self._state.blocks_to_evict(worker_id) if registered else 0
+        return ReportAck(self._state.generation, registered, evict)
 
     def get_view(self) -> ClusterView:
         """Snapshot of workers, liveness and latest reports."""
@@ -65,13 +76,16 @@ def start_scheduler(
     detached: bool = False,
     report_timeout_s: float = 3.0,
     max_restarts: int = -1,
+    eviction: EvictionWatermarks | None = DEFAULT_EVICTION,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 
     Restartable without limit by default, and its calls are retried across a
     restart. It asks for no CPU: it is bookkeeping, and must not take a slot a
     worker needs. `detached` makes it outlive the driver (for `pagefleet serve`
-    joining a long-lived cluster).
+    joining a long-lived cluster). `eviction`: the free-block watermarks it
+    asks workers to keep (`SchedulerConfig.eviction_watermarks()`; None: off).
+    An existing actor keeps the settings it was started with.
     """
     options: dict[str, Any] = {
         "name": SCHEDULER_NAME,
@@ -84,7 +98,7 @@ def start_scheduler(
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    return ray.remote(SchedulerActor).options(**options).remote(report_timeout_s)
+    return ray.remote(SchedulerActor).options(**options).remote(report_timeout_s, eviction)
 
 
 def get_scheduler(namespace: str | None = None) -> Any:

@@ -213,6 +213,19 @@ class ClusterWaitQueue(Generic[_T]):
         del self._pool_of[request_id]
         return request_id, item
 
+    def peek(self, pool: str) -> tuple[str, _T] | None:
+        """The pool's oldest waiting request without removing it, or None."""
+        queue = self._queues.get(pool)
+        if not queue:
+            return None
+        request_id = next(iter(queue))
+        return request_id, queue[request_id]
+
+    def get(self, request_id: str) -> _T | None:
+        """The item of a waiting request, or None if it is not waiting."""
+        pool = self._pool_of.get(request_id)
+        return None if pool is None else self._queues[pool][request_id]
+
     def remove(self, request_id: str) -> bool:
         """Drop a waiting request (client aborted); False if it was not waiting."""
         pool = self._pool_of.pop(request_id, None)

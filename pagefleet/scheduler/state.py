@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagefleet.scheduler.policy import EvictionWatermarks, blocks_to_evict
 from pagefleet.worker.events import LoadReport
 
 
@@ -112,10 +113,13 @@ class ClusterState:
         report_timeout_s: float = 3.0,
         generation: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        eviction: EvictionWatermarks | None = None,
     ) -> None:
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
         self.report_timeout_s = report_timeout_s
+        # None: no eviction ahead of need (workers still evict lazily on allocation).
+        self.eviction = eviction
         self.generation = generation if generation is not None else secrets.randbits(62)
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
@@ -183,6 +187,16 @@ class ClusterState:
     def workers(self, pool: str | None = None) -> list[str]:
         """Ids of registered workers, optionally of one pool."""
         return [wid for wid, e in self._workers.items() if pool is None or e.info.pool == pool]
+
+    def blocks_to_evict(self, worker_id: str) -> int:
+        """Cached blocks the worker should evict now, by its latest report and the watermarks.
+
+        0 without watermarks, for an unknown worker, or before its first report.
+        """
+        entry = self._workers.get(worker_id)
+        if self.eviction is None or entry is None or entry.report is None:
+            return 0
+        return blocks_to_evict(entry.report, self.eviction)
 
     def latest_report(self, worker_id: str) -> LoadReport | None:
         """The worker's latest load report (None before the first; KeyError if unknown)."""

@@ -130,6 +130,13 @@ class WorkerActor:
         self._kv_seq += 1
         return self.incarnation, report, batch.encode()
 
+    def evict_cached(self, n: int) -> int:
+        """Evict up to `n` LRU cached blocks between two engine steps; returns how many."""
+        evicted = self._engine.evict_cached(n)
+        if evicted:
+            logger.debug("worker %s evicted %d cached blocks", self.worker_id, evicted)
+        return evicted
+
     async def check_integrity(self) -> None:
         """Raise AssertionError if the block pool's bookkeeping is inconsistent."""
         self._engine.check_integrity()
@@ -176,6 +183,10 @@ class WorkerActor:
                     ack = await scheduler.report.remote(self.worker_id, self._load_report())
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
+                    elif ack.evict_blocks > 0:
+                        # Below the free-block watermark: evict LRU cached blocks now, so
+                        # the next bursts allocate from the free list.
+                        self.evict_cached(ack.evict_blocks)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

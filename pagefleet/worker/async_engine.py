@@ -135,6 +135,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
+    def evict_cached(self, n: int) -> int:
+        """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
+        with self._lock:
+            return self.engine.evict_cached(n)
+
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache events since the last drain (waits for the current step to end)."""
         with self._lock:

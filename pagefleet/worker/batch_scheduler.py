@@ -9,9 +9,9 @@ Each step, in order:
    running sequences not yet scheduled this step, itself included.
 2. Swapped sequences come back (swap in) when their blocks fit; while any is
    still out, no new request is admitted, so swapped work is never starved.
-3. Waiting sequences are admitted within `max_num_seqs` and the budget,
-   taking the longest cached prefix first (the last token is always
-   computed, since its logits are needed).
+3. Waiting sequences are admitted in order (higher priority first, then
+   first come) within `max_num_seqs` and the budget, each reusing its longest
+   cached prefix (the last token is always computed: its logits are needed).
 
 Preemption modes: "recompute" frees the blocks and requeues the sequence at
 the front (its prompt and generated tokens are computed again, usually
