@@ -163,3 +163,18 @@ def test_eviction_watermarks_come_from_the_scheduler_section_and_zero_turns_them
     assert marks is not None and (marks.low, marks.high) == (0.2, 0.3)
     off = ClusterConfig.from_dict({"pools": pools, "scheduler": {"evict_low_watermark": 0}})
     assert off.scheduler.eviction_watermarks() is None
+
+
+def test_scheduler_policy_none_turns_eviction_ahead_of_need_off() -> None:
+    base = {"pools": [{"name": "default"}]}
+    on = ClusterConfig.from_dict({**base, "scheduler": {"policy": "watermark"}})
+    off = ClusterConfig.from_dict({**base, "scheduler": {"policy": "none"}})
+    assert on.scheduler.eviction_watermarks() is not None
+    assert off.scheduler.eviction_watermarks() is None
+
+
+def test_scheduler_preemption_mode_is_a_pool_setting_not_a_scheduler_one() -> None:
+    with pytest.raises(ConfigError, match="preemption_mode"):
+        ClusterConfig.from_dict(
+            {"pools": [{"name": "default"}], "scheduler": {"preemption_mode": "swap"}}
+        )

@@ -189,7 +189,6 @@ class SchedulerConfig:
     wait_queue_size: int = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
-    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
@@ -207,11 +206,13 @@ class SchedulerConfig:
                 "need 0 <= evict_low_watermark <= evict_high_watermark <= 1, got "
                 f"{self.evict_low_watermark} and {self.evict_high_watermark}",
             )
-        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
     def eviction_watermarks(self) -> EvictionWatermarks | None:
-        """The free-block watermarks the scheduler asks workers to keep; None (off) when the low mark is 0."""
-        if self.evict_low_watermark == 0:
+        """The free-block watermarks the scheduler asks workers to keep.
+
+        None (no eviction ahead of need) with `policy: none` or a low mark of 0.
+        """
+        if self.policy == "none" or self.evict_low_watermark == 0:
             return None
         return EvictionWatermarks(self.evict_low_watermark, self.evict_high_watermark)
 
