@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagefleet.cluster.router import NoWorkerAvailable, Router, RouterConfig
-from pagefleet.scheduler.state import ClusterView, WorkerInfo, WorkerView
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.scheduler.state import ClusterView, WorkerView
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 BS = 16

@@ -17,10 +17,13 @@ from pagefleet.scheduler.actor import (  # noqa: E402
     start_scheduler,
 )
 from pagefleet.scheduler.policy import EvictionWatermarks  # noqa: E402
-from pagefleet.scheduler.state import WorkerInfo  # noqa: E402
 from pagefleet.worker.actor import create_worker  # noqa: E402
 from pagefleet.worker.config import EngineConfig  # noqa: E402
-from pagefleet.worker.events import KVEventBatch, LoadReport  # noqa: E402
+from pagefleet.worker.events import (  # noqa: E402
+    KVEventBatch,
+    LoadReport,
+    WorkerInfo,
+)
 from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.cluster

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.scheduler.policy import EvictionWatermarks
-from pagefleet.scheduler.state import ClusterState, WorkerInfo
-from pagefleet.worker.events import EventDecodeError, LoadReport
+from pagefleet.scheduler.state import ClusterState
+from pagefleet.worker.events import EventDecodeError, LoadReport, WorkerInfo
 
 
 class FakeClock:

@@ -15,9 +15,10 @@ from typing import Any
 import ray
 
 from pagefleet.scheduler.policy import EvictionWatermarks
-from pagefleet.scheduler.state import ClusterState, ClusterView, PoolCapacity, WorkerInfo
+from pagefleet.scheduler.state import ClusterState, ClusterView, PoolCapacity
+from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, WorkerInfo
 
-SCHEDULER_NAME = "pagefleet-scheduler"
+SCHEDULER_NAME = SCHEDULER_ACTOR_NAME
 # SchedulerConfig's defaults: evict ahead when under 5% of a worker's blocks are free.
 DEFAULT_EVICTION = EvictionWatermarks(low=0.05, high=0.10)
 

@@ -16,27 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet.scheduler.policy import EvictionWatermarks, blocks_to_evict
-from pagefleet.worker.events import LoadReport
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker tells the scheduler when it registers."""
-
-    worker_id: str
-    pool: str
-    total_blocks: int
-    block_size: int = 16
-    node_id: str | None = None
-    actor_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("worker_id must not be empty")
-        if self.total_blocks < 0:
-            raise ValueError(f"total_blocks must be >= 0, got {self.total_blocks}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+from pagefleet.worker.events import LoadReport, WorkerInfo
 
 
 @dataclass(frozen=True)

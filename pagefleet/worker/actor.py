@@ -26,7 +26,7 @@ import ray
 from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import RequestError
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -158,15 +158,12 @@ class WorkerActor:
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def _report_loop(self) -> None:
-        from pagefleet.scheduler.actor import get_scheduler
-        from pagefleet.scheduler.state import WorkerInfo
-
         scheduler: Any = None
         generation: int | None = None
         while True:
             try:
                 if scheduler is None:
-                    scheduler = get_scheduler(self._scheduler_namespace)
+                    scheduler = _find_scheduler(self._scheduler_namespace)
                     generation = None
                 if scheduler is not None:
                     if generation is None:
@@ -194,6 +191,14 @@ class WorkerActor:
                 logger.debug("worker %s: scheduler report failed: %s", self.worker_id, exc)
                 scheduler = None
             await asyncio.sleep(self._report_interval_s)
+
+
+def _find_scheduler(namespace: str | None) -> Any:
+    """The central scheduler's handle, or None while there is none."""
+    try:
+        return ray.get_actor(SCHEDULER_ACTOR_NAME, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def _delta(out: Any) -> dict[str, Any]:

@@ -306,3 +306,28 @@ def decode_message(data: bytes) -> LoadReport | KVEventBatch:
     if kind == _KV_KIND:
         return KVEventBatch._from_obj(obj)
     raise EventDecodeError(f"unknown message kind {kind!r}")
+
+
+# The central scheduler's named actor (pagefleet.scheduler.actor creates it; workers look
+# it up by this name, so the worker package needs nothing from the scheduler package).
+SCHEDULER_ACTOR_NAME = "pagefleet-scheduler"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the scheduler when it registers."""
+
+    worker_id: str
+    pool: str
+    total_blocks: int
+    block_size: int = 16
+    node_id: str | None = None
+    actor_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.total_blocks < 0:
+            raise ValueError(f"total_blocks must be >= 0, got {self.total_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
