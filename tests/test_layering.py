@@ -1,0 +1,51 @@
+"""Dependencies point downward: cluster -> scheduler -> worker -> kernels."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pagefleet"
+LAYERS = ["kernels", "worker", "scheduler", "cluster"]  # each may import only those before it
+
+
+def imported_pagefleet_layers(path: Path) -> set[str]:
+    layers = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "pagefleet" and len(parts) > 1 and parts[1] in LAYERS:
+                layers.add(parts[1])
+    return layers
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_layer_imports_only_the_layers_below_it(layer: str) -> None:
+    allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(imported_pagefleet_layers(path) - allowed)
+        for path in sorted((PACKAGE / layer).rglob("*.py"))
+        if imported_pagefleet_layers(path) - allowed
+    }
+    assert not offenders, f"{layer} imports layers above it: {offenders}"
+
+
+def test_only_the_actor_modules_import_ray() -> None:
+    importers = sorted(
+        str(path.relative_to(PACKAGE))
+        for layer in ("kernels", "worker", "scheduler")
+        for path in (PACKAGE / layer).rglob("*.py")
+        if any(
+            (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "ray" for a in n.names))
+            or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "ray")
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert importers == ["scheduler/actor.py", "worker/actor.py"]
