@@ -84,9 +84,10 @@ def test_abort_mid_generation_frees_blocks_at_once(engine: LLMEngine) -> None:
     )
     for _ in range(4):
         engine.step()
-    live_before = engine.stats()["live"]
+    before = engine.stats()
     assert engine.abort_request("drop")
-    assert engine.stats()["live"] < live_before
+    assert engine.stats()["live"] < before["live"]
+    assert engine.stats()["requests_aborted"] == before["requests_aborted"] + 1
     engine.check_integrity()
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == "drop"]
@@ -101,6 +102,9 @@ def test_abort_of_a_waiting_request_and_of_an_unknown_id(engine: LLMEngine) -> N
     assert engine.abort_request("w")
     assert not engine.abort_request("w")
     assert not engine.abort_request("never-seen")
+    aborted = engine.stats()["requests_aborted"]
+    assert not engine.abort_request("w")  # an unknown or finished id is not counted
+    assert engine.stats()["requests_aborted"] == aborted
     assert [o.finish_reason for o in engine.step()] == ["abort"]
     assert not engine.has_unfinished_requests()
 

@@ -59,6 +59,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
+        self._num_aborted = 0
 
     def _num_kv_blocks(self, shape: ModelShape) -> int:
         cfg = self.config
@@ -160,6 +161,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self._num_aborted += 1
         for seq in request.sequences:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
@@ -324,6 +326,7 @@ class LLMEngine:
             swaps_in=sched.swaps_in,
             swap_used_bytes=sched.swap_used_bytes,
             cow_copies=sched.cow_copies,
+            requests_aborted=self._num_aborted,
         )
         return out
 
