@@ -456,6 +456,7 @@ def test_metrics_endpoint_exports_pool_gauges_and_latency_histograms(
         assert f"{name}{{" in body
     assert "time_to_first_token_seconds_bucket" in body
     assert "e2e_request_latency_seconds_count" in body
+    assert 'ingress_waiting_requests{pool="default"} 0.0' in body
 
 
 # ----- faults (run last: they restart actors) ---------------------------------

@@ -203,6 +203,10 @@ class Ingress:
         self._tokenizers: dict[str, Any] = {}
         self._running: dict[str, _Running] = {}
         self._waiting: ClusterWaitQueue[_Waiter] = ClusterWaitQueue(config.scheduler.wait_queue_size)
+        if metrics is not None:
+            metrics.track_wait_queue(
+                lambda: {pool.name: self._waiting.size(pool.name) for pool in config.pools}
+            )
         self._poller: asyncio.Task[None] | None = None
         self.policy = config.router.policy
 

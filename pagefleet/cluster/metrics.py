@@ -8,7 +8,10 @@ is where the client's experience is.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pagefleet.worker.events import LoadReport
 
@@ -37,9 +40,30 @@ class _ReportCounter:
     def set_total(self, labels: tuple[str, ...], total: int) -> None:
         last = self._last.get(labels, 0)
         step = total - last if total >= last else total
+        # The labelled series exists from the first report on, at 0 if nothing
+        # happened yet, so rate() and alerts see it before its first event.
+        child = self._counter.labels(*labels)
         if step > 0:
-            self._counter.labels(*labels).inc(step)
+            child.inc(step)
         self._last[labels] = total
+
+
+class _WaitQueueCollector:
+    """Reads the ingress wait queue's length per pool at scrape time (no bookkeeping
+    on the request path)."""
+
+    def __init__(self, sizes: Callable[[], Mapping[str, int]]) -> None:
+        self._sizes = sizes
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "ingress_waiting_requests",
+            "requests waiting at the ingress for a worker with room",
+            labels=["pool"],
+        )
+        for pool, size in self._sizes().items():
+            family.add_metric([pool], size)
+        yield family
 
 
 class IngressMetrics:
@@ -95,6 +119,10 @@ class IngressMetrics:
         self._evictions.set_total(labels, report.evictions)
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
+
+    def track_wait_queue(self, sizes: Callable[[], Mapping[str, int]]) -> None:
+        """Export `ingress_waiting_requests{pool}`, read from `sizes()` at each scrape."""
+        self.registry.register(_WaitQueueCollector(sizes))
 
     def mark_dead(self, pool: str, worker_id: str) -> None:
         self.worker_alive.labels(pool, worker_id).set(0)

@@ -1,0 +1,31 @@
+"""Ingress metrics that need no cluster: the wait queue gauge is read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pagefleet.cluster.metrics import IngressMetrics
+
+
+def test_wait_queue_gauge_reads_the_queue_at_each_scrape() -> None:
+    metrics = IngressMetrics()
+    sizes = {"default": 3, "other": 0}
+    metrics.track_wait_queue(lambda: sizes)
+    body = generate_latest(metrics.registry).decode()
+    assert 'ingress_waiting_requests{pool="default"} 3.0' in body
+    assert 'ingress_waiting_requests{pool="other"} 0.0' in body
+    sizes["default"] = 1
+    assert 'ingress_waiting_requests{pool="default"} 1.0' in generate_latest(
+        metrics.registry
+    ).decode()
+
+
+def test_report_counters_exist_at_zero_before_their_first_event() -> None:
+    from pagefleet.worker.events import LoadReport
+
+    metrics = IngressMetrics()
+    stats = {"total": 8, "free": 8, "live": 0, "cached": 0, "peak_live": 0}
+    metrics.observe_report(LoadReport.from_engine_stats("w0", "default", 1, stats))
+    body = generate_latest(metrics.registry).decode()
+    assert 'prefix_cache_hits_total{pool="default",worker="w0"} 0.0' in body
+    assert 'evictions_total{pool="default",worker="w0"} 0.0' in body
