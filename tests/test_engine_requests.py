@@ -226,6 +226,22 @@ def test_prefix_cache_same_salt_hits_and_other_salt_misses(engine: LLMEngine) ->
     assert cached == {"t1": 0, "t2": 32, "t3": 0}
 
 
+def test_live_blocks_are_counted_per_tenant_salt(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request("a", list(range(3, 40)), params, salt="tenant-a")
+    engine.add_request("b", list(range(50, 60)), params, salt="tenant-b")
+    engine.add_request("open", list(range(70, 75)), params)
+    engine.step()
+    per_tenant = engine.tenant_live_blocks()
+    # 37 prompt tokens + 1 = 3 blocks of 16; 10 + 1 and 5 + 1 tokens: one block each.
+    assert per_tenant == {"tenant-a": 3, "tenant-b": 1, "": 1}
+    assert sum(per_tenant.values()) == engine.stats()["live"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.tenant_live_blocks() == {}
+    engine.check_integrity()
+
+
 def test_evict_cached_frees_lru_cached_blocks_with_removed_events(engine: LLMEngine) -> None:
     engine.add_request("fill-cache", list(range(3, 40)), SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests():

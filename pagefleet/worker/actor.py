@@ -150,6 +150,7 @@ class WorkerActor:
             self.pool,
             self._report_seq,
             self._engine.stats(),
+            tenant_live_blocks=self._engine.tenant_live_blocks(),
             incarnation=self.incarnation,
         ).encode()
 

@@ -135,6 +135,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
+    def tenant_live_blocks(self) -> dict[str, int]:
+        """`LLMEngine.tenant_live_blocks`, between two steps."""
+        with self._lock:
+            return self.engine.tenant_live_blocks()
+
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
         with self._lock:

@@ -330,6 +330,18 @@ class LLMEngine:
         )
         return out
 
+    def tenant_live_blocks(self) -> dict[str, int]:
+        """Live blocks per prefix-cache salt (the tenant; "" for requests without one).
+
+        Salts never share a block (the salt is in every prefix hash), so the
+        values add up to `stats()["live"]`.
+        """
+        held: dict[str, set[int]] = {}
+        for seq in self.scheduler.running:
+            if seq.table is not None:
+                held.setdefault(seq.request.salt or "", set()).update(seq.table.block_ids)
+        return {salt: len(blocks) for salt, blocks in held.items()}
+
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache events ("stored" | "removed", block hash) since the last drain."""
         return self.pool.drain_events()
