@@ -32,6 +32,7 @@ import yaml
 
 from pagefleet.cluster.router import RouterConfig
 from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.config import DTYPES, PREEMPTION_MODES, EngineConfig
 
 SCHEDULER_POLICIES = ("watermark", "none")
@@ -100,7 +101,7 @@ class PoolConfig:
         if not self.name:
             _fail("name", "must not be empty")
         _at_least("workers", self.workers, 1)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_valid_block_size(self.block_size):
             _fail("block_size", f"must be a power of two >= 1, got {self.block_size}")
         for name in ("num_kv_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
             _at_least(name, getattr(self, name), 1)

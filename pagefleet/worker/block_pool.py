@@ -25,6 +25,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 
+def is_valid_block_size(block_size: int) -> bool:
+    """Block sizes are powers of two (kernels and slot arithmetic rely on it)."""
+    return block_size >= 1 and block_size & (block_size - 1) == 0
+
+
 class NoFreeBlocks(RuntimeError):
     """The pool cannot hand out the requested number of blocks; nothing was changed."""
 
@@ -74,7 +79,7 @@ class BlockPool:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
-        if block_size < 1 or block_size & (block_size - 1):
+        if not is_valid_block_size(block_size):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.kv_cache import ModelShape
 
 _UNITS = {
@@ -66,9 +67,8 @@ class CapacityPlan:
     output_len: int = 128
 
     def __post_init__(self) -> None:
-        bs = self.block_size
-        if bs < 1 or bs & (bs - 1):
-            raise ValueError(f"block size must be a power of two, got {bs}")
+        if not is_valid_block_size(self.block_size):
+            raise ValueError(f"block size must be a power of two, got {self.block_size}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.prompt_len < 1 or self.output_len < 0:
@@ -81,7 +81,7 @@ class CapacityPlan:
             )
         if self.budget_bytes < self.bytes_per_block:
             raise ValueError(
-                f"budget of {self.budget_bytes} bytes holds no block: one block of {bs} tokens "
+                f"budget of {self.budget_bytes} bytes holds no block: one block of {self.block_size} tokens "
                 f"needs {self.bytes_per_block} bytes"
             )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagefleet.worker.block_pool import is_valid_block_size
+
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -41,7 +43,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_valid_block_size(self.block_size):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pagefleet.worker.block_pool import is_valid_block_size
+
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
@@ -120,7 +122,7 @@ class KVCache:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
-        if block_size < 1 or block_size & (block_size - 1):
+        if not is_valid_block_size(block_size):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.shape = shape
         self.num_blocks = num_blocks
