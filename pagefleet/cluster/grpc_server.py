@@ -149,7 +149,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def serving_status(ingress: Ingress) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
     """SERVING while every pool has a live worker (as the HTTP /health says), else NOT_SERVING."""
-    ok = all(p["live_workers"] > 0 for p in ingress.status())
+    ok = all(n > 0 for n in ingress.live_workers().values())
     return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
 
 

@@ -639,6 +639,10 @@ class Ingress:
 
     # ----- status -------------------------------------------------------
 
+    def live_workers(self) -> dict[str, int]:
+        """Live workers per pool: the health rule (healthy while none is 0) of both fronts."""
+        return {name: sum(slot.alive for slot in slots) for name, slots in self._pools.items()}
+
     def status(self, pool: str | None = None) -> list[dict[str, Any]]:
         """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts)."""
         pools = [self._pool_config(pool)] if pool else list(self.config.pools)

@@ -575,7 +575,7 @@ class _OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         """200 when every pool has a live worker, else 503; lists live workers per pool."""
-        live = {p["name"]: p["live_workers"] for p in self._ingress.status()}
+        live = self._ingress.live_workers()
         ok = all(n > 0 for n in live.values())
         body = {"status": "ok" if ok else "unavailable", "live_workers": live}
         return JSONResponse(body, status_code=200 if ok else 503)
