@@ -107,7 +107,7 @@ def test_swap_out_then_in_restores_blocks_exactly() -> None:
     kv = random_cache()
     before = kv.tensor.clone()
     host = kv.swap_out([3, 0])
-    assert host.device.type == "cpu" and host.shape == (3, 2, 2, 4, 2, 4)
+    assert host.device.type == "cpu" and host.shape == (2, 3, 2, 4, 2, 4)
     kv.tensor.zero_()
     kv.swap_in(host, [3, 0])
     assert torch.equal(kv.tensor[:, :, [3, 0]], before[:, :, [3, 0]])

@@ -11,7 +11,8 @@ Each step, in order:
    still out, no new request is admitted, so swapped work is never starved.
 3. Waiting sequences are admitted in order (higher priority first, then
    first come) within `max_num_seqs` and the budget, each reusing its longest
-   cached prefix (the last token is always computed: its logits are needed).
+   cached prefix (the last token is always computed: its logits are needed):
+   the pool's run first, then the offload tier's, copied back into fresh blocks.
 
 Preemption modes: "recompute" frees the blocks and requeues the sequence at
 the front (its prompt and generated tokens are computed again, usually
@@ -30,6 +31,7 @@ from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import KVCache
+from pagefleet.worker.offload import KVTier, revive_offloaded
 from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
 from pagefleet.worker.sequence import Sequence, SequenceStatus, SwappedKV
 
@@ -70,10 +72,13 @@ def _importance(seq: Sequence) -> tuple[int, int]:
 class BatchScheduler:
     """Queues (waiting, running, swapped) and the decisions of each step."""
 
-    def __init__(self, config: EngineConfig, pool: BlockPool, kv: KVCache) -> None:
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, kv: KVCache, offload: KVTier | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
         self.kv = kv
+        self.offload = offload
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -248,7 +253,11 @@ class BatchScheduler:
             table = BlockTable(self.pool)
             hits = self.pool.lookup(hashes) if hashes else []
             table.append_cached(hits)
-            computed = len(hits) * bs
+            if self.offload is not None and len(hits) < len(hashes):
+                # The pool missed: the rest of the run may be in the offload tier.
+                table.append_cached(revive_offloaded(self.pool, self.offload, hashes[len(hits) :]))
+            computed = table.num_tokens
+            num_hit_blocks = len(table.block_ids)
             n = min(seq.num_tokens - computed, budget)
             if not self.pool.can_allocate(table.blocks_needed(n)):
                 table.free()
@@ -257,7 +266,7 @@ class BatchScheduler:
             self.waiting.popleft()
             seq.table = table
             seq.num_computed_tokens = computed
-            seq.num_registered_blocks = len(hits)
+            seq.num_registered_blocks = num_hit_blocks
             seq.status = SequenceStatus.RUNNING
             seq.admitted_seq = self._next_admit()
             if seq.index == 0 and seq.num_output_tokens == 0:

@@ -17,11 +17,15 @@ Allocation pops from the head, so free blocks are used before any cached block
 is evicted, and cached blocks are evicted in LRU order. A released block with a
 hash goes to the tail (most recently used); a released block without one goes
 to the head (it holds nothing worth keeping, so it is reused first).
+
+With an offload tier (`spill`), each evicted block's `(hash, block_id)` is
+handed to the tier before `allocate` (or `evict_cached`) returns, i.e. before
+anybody can write into the block again; the tier copies it out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -75,7 +79,11 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        spill: Callable[[list[tuple[bytes, int]]], None] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
@@ -84,6 +92,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._spill = spill  # receives evicted (hash, block) pairs, e.g. an offload tier
 
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
@@ -176,12 +185,15 @@ class BlockPool:
             evicted = 0
         else:
             evicted = n - self._num_free
+            spilled: list[tuple[bytes, int]] = []
             for _ in range(n):
                 out.append(b)
                 ref[b] = 1
                 if hashes[b] is not None:
-                    self._evict(b)
+                    spilled.append((self._evict(b), b))
                 b = nxt[b]
+            if self._spill is not None:
+                self._spill(spilled)
         # The n blocks form the head of the queue: splice them out in one step.
         nxt[s] = b
         self._prev[b] = s
@@ -192,13 +204,14 @@ class BlockPool:
             self._peak_live = live
         return out
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int) -> bytes:
         h = self._hash[block_id]
         assert h is not None
         self._hash[block_id] = None
         del self._cached[h]
         self._evictions += 1
         self._event("removed", h)
+        return h
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the order given.
@@ -302,7 +315,7 @@ class BlockPool:
     def evict_cached(self, n: int | None = None) -> int:
         """Drop the hashes of up to `n` cached blocks (all if None), LRU first.
 
-        The blocks become plain free blocks. Returns how many were evicted. The pool
+        The blocks become plain free blocks (spilled to the tier first, if any). Returns how many were evicted. The pool
         evicts by itself on allocation; this is for an explicit policy or a reset.
         """
         limit = self._num_cached if n is None else min(n, self._num_cached)
@@ -314,9 +327,10 @@ class BlockPool:
         for _ in range(self._num_cached - 1):
             b = prev[b]
         done = 0
+        spilled: list[tuple[bytes, int]] = []
         while done < limit:
             after = nxt[b]
-            self._evict(b)
+            spilled.append((self._evict(b), b))
             p = prev[b]
             nxt[p] = after
             prev[after] = p
@@ -329,6 +343,8 @@ class BlockPool:
             b = after
         self._num_cached -= done
         self._num_free += done
+        if self._spill is not None and spilled:
+            self._spill(spilled)
         return done
 
     def reset_prefix_cache(self) -> int:

@@ -24,7 +24,9 @@ class EngineConfig:
     forward at `max_num_batched_tokens`, on CPU `DEFAULT_CPU_KV_BYTES`.
     `max_model_len` defaults to the model's `max_position_embeddings`.
     `swap_space_bytes` bounds the CPU buffer that swap preemption copies
-    blocks into. `seed` seeds requests that bring no seed of their own.
+    blocks into. `kv_offload_bytes` (0: off) sizes the offload tier: host
+    memory that holds prefix blocks evicted from the pool until a later prompt
+    hits them (it needs prefix caching). `seed` seeds requests that bring no seed of their own.
     """
 
     model: str | Path = "tiny"
@@ -37,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1024 * 1024 * 1024
+    kv_offload_bytes: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -63,6 +66,13 @@ class EngineConfig:
             )
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_bytes needs enable_prefix_caching: the offload tier holds "
+                "prefix-cache blocks by their hash"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

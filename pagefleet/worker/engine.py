@@ -24,6 +24,7 @@ from pagefleet.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
+from pagefleet.worker.offload import HostOffloadTier, TierStats
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampler import sample
 from pagefleet.worker.sampling_params import SamplingParams
@@ -54,8 +55,19 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(shape)
         self.kv = KVCache(shape, num_blocks, config.block_size, config.device)
         self.runner.bind_kv_cache(self.kv)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = BatchScheduler(config, self.pool, self.kv)
+        # Evicted prefix blocks spill to the offload tier (if any) instead of being lost.
+        self.offload: HostOffloadTier | None = None
+        if config.kv_offload_bytes:
+            self.offload = HostOffloadTier(
+                self.kv.transfer, config.kv_offload_bytes, config.block_size
+            )
+        self.pool = BlockPool(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            spill=self.offload.store if self.offload is not None else None,
+        )
+        self.scheduler = BatchScheduler(config, self.pool, self.kv, self.offload)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
@@ -193,6 +205,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        # Spills and offload loads issued while scheduling finish before the
+        # forward (and the copy-on-write copies) touch those blocks.
+        self.kv.transfer.wait()
         if sched.copies:
             self.kv.copy_blocks(sched.copies)
         batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0],
@@ -311,9 +326,19 @@ class LLMEngine:
     # -------------------------------------------------------------- inspection
 
     def stats(self) -> dict[str, int]:
-        """Pool counters plus queue lengths, preemptions by mode and swaps."""
+        """Pool counters plus queue lengths, preemptions by mode, swaps and the offload tier.
+
+        `prefix_hit_tokens` counts hits in either tier; `offload_hit_tokens` is
+        the part copied back from the offload tier.
+        """
         sched = self.scheduler
         out: dict[str, int] = dict(self.pool.stats().as_dict())
+        if self.offload is not None:
+            tier = self.offload.stats().as_dict()
+        else:
+            tier = dict.fromkeys(TierStats.__dataclass_fields__, 0)
+        out.update(tier)
+        out["prefix_hit_tokens"] += tier["offload_hit_tokens"]
         out.update(
             block_size=self.config.block_size,
             num_running=len(sched.running),
@@ -343,16 +368,24 @@ class LLMEngine:
         return {salt: len(blocks) for salt, blocks in held.items()}
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
-        """Prefix-cache events ("stored" | "removed", block hash) since the last drain."""
-        return self.pool.drain_events()
+        """Prefix-cache events since the last drain: ("stored" | "removed", block hash)
+        for the pool, ("offload_stored" | "offload_removed", block hash) for the tier."""
+        events = self.pool.drain_events()
+        if self.offload is not None:
+            events.extend(self.offload.drain_events())
+        return events
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless pool and sequences agree block for block.
 
-        Every block is free, cached or live (the pool's own check), and each
-        live block's ref count equals the number of running sequences holding it.
+        Every block is free, cached or live (the pool's own check), each live
+        block's ref count equals the number of running sequences holding it,
+        and the offload tier's slots are consistent (a hash there and not in
+        the pool is offloaded-only: it holds no pool block).
         """
         self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         sched = self.scheduler
         holders: Counter[int] = Counter()
         for seq in sched.running:

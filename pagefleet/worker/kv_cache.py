@@ -1,8 +1,9 @@
 """The KV pool tensor of one worker, and the model shape that sizes it.
 
 One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` holds every
-layer's keys (`[:, 0]`) and values (`[:, 1]`). Block copies (copy-on-write) and
-swaps to and from CPU memory move whole blocks of every layer in one indexed op.
+layer's keys (`[:, 0]`) and values (`[:, 1]`). Block copies (copy-on-write) move
+whole blocks of every layer in one indexed op; copies to and from host memory
+(swap, offload tier) go through one `BlockTransfer`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from pagefleet.worker.block_pool import is_valid_block_size
+from pagefleet.worker.offload import BlockTransfer
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -135,6 +137,8 @@ class KVCache:
             dtype=shape.dtype,
             device=self.device,
         )
+        # The one path for block copies to and from host memory (swap and offload tier).
+        self.transfer = BlockTransfer(self.tensor)
 
     @classmethod
     def from_budget(
@@ -171,25 +175,25 @@ class KVCache:
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
     def swap_out(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A CPU copy of the blocks, `[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`.
+        """A host copy of the blocks, `[len(block_ids), layers, 2, block_size, kv_heads, head_dim]`.
 
-        Pinned when the pool is on CUDA so the copy is a DMA. The blocks themselves
-        are untouched; the caller frees them in the pool afterwards.
+        The same copy path as the offload tier (`self.transfer`): pinned memory and a
+        side stream on CUDA. It waits for the copy so that "auto" preemption
+        measures the real bandwidth. The blocks themselves are untouched; the
+        caller frees them in the pool afterwards.
         """
-        gathered = self.tensor.index_select(2, self._index(block_ids))
-        if self.device.type == "cpu":
-            return gathered
-        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-        host.copy_(gathered)
+        host = self.transfer.host_buffer(len(block_ids))
+        self.transfer.to_host(block_ids, host, range(len(block_ids)))
+        self.transfer.synchronize()
         return host
 
     def swap_in(self, host: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Write blocks saved by `swap_out` into `block_ids` (any free blocks of this pool)."""
-        expected = (*self.tensor.shape[:2], len(block_ids), *self.tensor.shape[3:])
+        expected = (len(block_ids), *self.transfer.block_shape)
         if tuple(host.shape) != expected:
             raise ValueError(f"swap buffer has shape {tuple(host.shape)}, expected {expected}")
-        data = host.to(self.device, non_blocking=host.is_pinned())
-        self.tensor.index_copy_(2, self._index(block_ids), data)
+        self.transfer.to_device(host, range(len(block_ids)), block_ids)
+        self.transfer.synchronize()
 
 
 def blocks_for_budget(shape: ModelShape, budget_bytes: int, block_size: int) -> int:
