@@ -93,6 +93,7 @@ class PoolConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_bytes: int | None = None
+    kv_offload_bytes: int | None = None  # YAML `kv_offload: 4GiB`: host tier per worker
     dtype: str = "float32"
     device: str = "auto"
     num_gpus_per_worker: float | None = None
@@ -107,6 +108,7 @@ class PoolConfig:
             _at_least(name, getattr(self, name), 1)
         _at_least("max_model_len", self.max_model_len, 2)
         _at_least("swap_space_bytes", self.swap_space_bytes, 0)
+        _at_least("kv_offload_bytes", self.kv_offload_bytes, 0)
         _at_least("num_gpus_per_worker", self.num_gpus_per_worker, 0)
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("dtype", self.dtype, DTYPES)
@@ -140,10 +142,11 @@ class PoolConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "preemption_mode": self.preemption_mode,
             "swap_space_bytes": self.swap_space_bytes,
+            "kv_offload_bytes": self.kv_offload_bytes,
             "dtype": self.dtype,
             "device": device,
         }
-        optional = ("max_num_seqs", "max_num_batched_tokens", "swap_space_bytes")
+        optional = ("max_num_seqs", "max_num_batched_tokens", "swap_space_bytes", "kv_offload_bytes")
         return {k: v for k, v in kwargs.items() if not (k in optional and v is None)}
 
 
@@ -403,7 +406,11 @@ def _with_bytes(raw: Any, path: str) -> Any:
         if "kv_memory_bytes" in data:
             _fail(f"{path}.kv_memory", "give kv_memory or kv_memory_bytes, not both")
         data["kv_memory_bytes"] = data.pop("kv_memory")
-    for name in ("kv_memory_bytes", "swap_space_bytes"):
+    if "kv_offload" in data:
+        if "kv_offload_bytes" in data:
+            _fail(f"{path}.kv_offload", "give kv_offload or kv_offload_bytes, not both")
+        data["kv_offload_bytes"] = data.pop("kv_offload")
+    for name in ("kv_memory_bytes", "swap_space_bytes", "kv_offload_bytes"):
         if isinstance(data.get(name), str):
             try:
                 data[name] = parse_bytes(data[name])

@@ -26,6 +26,14 @@ _WORKER_GAUGES = {
     "kv_blocks_peak_live": "peak_live_blocks",
     "num_running": "num_running",
     "num_waiting": "num_waiting",
+    "kv_offload_blocks": "offload_blocks",
+}
+
+# Counter name (exported with `_total`) -> (help, cumulative LoadReport field): the offload tier.
+_OFFLOAD_COUNTERS = {
+    "kv_offload_hit_tokens": ("prompt tokens copied back from the offload tier", "offload_hit_tokens"),
+    "kv_offload_bytes_in": ("bytes copied from the offload tier into the pool", "offload_bytes_in"),
+    "kv_offload_bytes_out": ("bytes copied from the pool into the offload tier", "offload_bytes_out"),
 }
 
 
@@ -88,6 +96,10 @@ class IngressMetrics:
         self._evictions = _ReportCounter(
             Counter("evictions", "cached KV blocks evicted", labels, registry=self.registry)
         )
+        self._offload = {
+            field: _ReportCounter(Counter(name, doc, labels, registry=self.registry))
+            for name, (doc, field) in _OFFLOAD_COUNTERS.items()
+        }
         self._preemptions = _ReportCounter(
             Counter("preemptions", "sequences preempted", (*labels, "mode"), registry=self.registry)
         )
@@ -117,6 +129,8 @@ class IngressMetrics:
         self._prefix_queries.set_total(labels, report.prefix_query_tokens)
         self._prefix_hits.set_total(labels, report.prefix_hit_tokens)
         self._evictions.set_total(labels, report.evictions)
+        for field, counter in self._offload.items():
+            counter.set_total(labels, getattr(report, field))
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
 

@@ -8,6 +8,10 @@ and picks the lowest
 
     cost = w_prefill * uncached_prompt_blocks + w_load * active_blocks + w_queue * waiting
 
+A block the worker holds only in its offload tier (host memory, after its
+pool run) costs a copy rather than a prefill: it counts as
+`1 - offload_credit` of an uncached block: a tier hit ranks below a pool hit.
+
 A global inverted index maps each hash to a bitmask of the workers holding
 it (each worker owns one bit). The match is then one walk along the prompt's
 hashes that ANDs masks, narrowing the set of workers still matching, instead
@@ -55,6 +59,8 @@ class RouterConfig:
     imbalance_ratio: float = 1.5
     imbalance_slack_blocks: int = 64
     speculative_ttl_s: float = 2.0
+    # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
+    offload_credit: float = 0.5
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -63,6 +69,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
+        if not 0.0 <= self.offload_credit <= 1.0:
+            raise ValueError(f"offload_credit: must be in [0, 1], got {self.offload_credit}")
         if not self.imbalance_ratio >= 1.0:
             raise ValueError(f"imbalance_ratio: must be >= 1.0, got {self.imbalance_ratio}")
         if self.imbalance_slack_blocks < 0:
@@ -82,6 +90,7 @@ class RouteDecision:
     prompt_blocks: int
     cost: float  # prefix_affinity's score of the chosen worker; 0.0 for the other policies
     num_candidates: int
+    offload_blocks: int = 0  # blocks after matched_blocks the chosen worker holds in its tier
 
 
 class _Worker:
@@ -139,6 +148,7 @@ class Router:
         # hash -> mask of workers holding it (confirmed or speculative) / confirmed only
         self._holders: dict[bytes, int] = {}
         self._confirmed: dict[bytes, int] = {}
+        self._offload: dict[bytes, int] = {}  # hash -> mask of workers holding it in their tier
         self._by_slot: dict[int, _Worker] = {}
         self._free_slots: list[int] = []
         self._expiries: deque[tuple[float, str, bytes]] = deque()
@@ -223,6 +233,12 @@ class Router:
         bit = worker.bit
         holders, confirmed, speculative = self._holders, self._confirmed, worker.speculative
         for kind, block_hash in batch.events:
+            if kind == "offload_stored":
+                self._offload[block_hash] = self._offload.get(block_hash, 0) | bit
+                continue
+            if kind == "offload_removed":
+                _clear_bit(self._offload, block_hash, bit)
+                continue
             speculative.pop(block_hash, None)
             if kind == "stored":
                 confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
@@ -319,8 +335,9 @@ class Router:
         ]
         if not candidates:
             raise NoWorkerAvailable(pool)
+        offloaded = 0
         if policy == "prefix_affinity":
-            chosen, matched, cost = self._prefix_affinity(candidates, hashes)
+            chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes)
         elif policy == "round_robin":
             chosen, matched, cost = self._round_robin(pool, candidates), 0, 0.0
         elif policy == "least_loaded":
@@ -341,11 +358,12 @@ class Router:
             prompt_blocks=len(hashes),
             cost=cost,
             num_candidates=len(candidates),
+            offload_blocks=offloaded,
         )
 
     def _prefix_affinity(
         self, candidates: list[_Worker], hashes: Sequence[bytes]
-    ) -> tuple[_Worker, int, float]:
+    ) -> tuple[_Worker, int, int, float]:
         candidate_mask = 0
         for w in candidates:
             candidate_mask |= w.bit
@@ -356,8 +374,11 @@ class Router:
         guard = cfg.imbalance_ratio * min(loads) + cfg.imbalance_slack_blocks
         best: list[_Worker] = []
         best_cost = 0.0
+        tier = self._offload_lengths(candidates, hashes, matches) if self._offload else {}
         for w, load in zip(candidates, loads, strict=True):
-            credited = matches.get(w.bit, 0) if load <= guard else 0
+            credited: float = 0.0
+            if load <= guard:
+                credited = matches.get(w.bit, 0) + cfg.offload_credit * tier.get(w.bit, 0)
             cost = cfg.w_prefill * (n - credited) + cfg.w_load * load + cfg.w_queue * w.waiting()
             if not best or cost < best_cost:
                 best, best_cost = [w], cost
@@ -366,7 +387,26 @@ class Router:
         chosen = best[0] if len(best) == 1 else self._rng.choice(best)
         # Report the real match (what the worker will reuse), even where the guard
         # did not credit it in the cost.
-        return chosen, matches.get(chosen.bit, 0), best_cost
+        return chosen, matches.get(chosen.bit, 0), tier.get(chosen.bit, 0), best_cost
+
+    def _offload_lengths(
+        self, candidates: list[_Worker], hashes: Sequence[bytes], matches: dict[int, int]
+    ) -> dict[int, int]:
+        """Per worker bit, how many hashes after its pool match its offload tier holds.
+
+        The worker walks its pool first, then its tier; only a run that starts at
+        the first block counts (a tier-only first block still counts, from 0).
+        """
+        offload = self._offload
+        out: dict[int, int] = {}
+        for w in candidates:
+            start = matches.get(w.bit, 0)
+            i = start
+            while i < len(hashes) and offload.get(hashes[i], 0) & w.bit:
+                i += 1
+            if i > start:
+                out[w.bit] = i - start
+        return out
 
     def _match_lengths(self, hashes: Sequence[bytes], candidate_mask: int) -> dict[int, int]:
         """Per worker bit, the length of its contiguous cached prefix of `hashes` (absent = 0)."""
@@ -446,7 +486,7 @@ class Router:
     def _clear_index(self, worker: _Worker) -> None:
         # O(index size); only on worker removal or restart.
         bit = worker.bit
-        for index in (self._holders, self._confirmed):
+        for index in (self._holders, self._confirmed, self._offload):
             for h in [h for h, mask in index.items() if mask & bit]:
                 _clear_bit(index, h, bit)
         worker.speculative.clear()

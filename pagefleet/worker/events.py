@@ -19,7 +19,12 @@ WIRE_VERSION = 1
 
 _LOAD_KIND = "load"
 _KV_KIND = "kv"
-_KV_EVENT_TYPES = frozenset({"stored", "removed"})
+_KV_EVENT_TYPES = frozenset({"stored", "removed", "offload_stored", "offload_removed"})
+# Wire op codes: the pool's events keep their original bytes; the offload tier's follow.
+_KV_OPS = {"removed": 0, "stored": 1, "offload_removed": 2, "offload_stored": 3}
+_KV_KINDS = {op: kind for kind, op in _KV_OPS.items()}
+# LoadReport fields of the offload tier: optional on the wire (older senders omit them).
+_OFFLOAD_FIELDS = ("offload_blocks", "offload_hit_tokens", "offload_bytes_in", "offload_bytes_out")
 
 
 class EventDecodeError(ValueError):
@@ -91,6 +96,11 @@ class LoadReport:
     # Identifies the worker process; `seq` restarts from 1 with each incarnation, so
     # receivers compare seq only within one incarnation.
     incarnation: str = ""
+    # The offload tier: blocks held now; hit tokens and bytes copied in/out, cumulative.
+    offload_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_bytes_in: int = 0
+    offload_bytes_out: int = 0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -133,6 +143,7 @@ class LoadReport:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "incarnation": self.incarnation,
+                **{name: getattr(self, name) for name in _OFFLOAD_FIELDS},
             },
             use_bin_type=True,
         )
@@ -163,6 +174,7 @@ class LoadReport:
             prefix_hit_tokens=_get(obj, "prefix_hit_tokens", int),
             # optional: absent in reports from senders that predate it
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
+            **{name: _get(obj, name, int) for name in _OFFLOAD_FIELDS if name in obj},
         )
 
     @classmethod
@@ -222,6 +234,7 @@ class LoadReport:
             prefix_query_tokens=pick("prefix_query_tokens"),
             prefix_hit_tokens=pick("prefix_hit_tokens"),
             incarnation=incarnation,
+            **{name: pick(name) for name in _OFFLOAD_FIELDS},
         )
 
 
@@ -243,7 +256,10 @@ class KVEventBatch:
     def __post_init__(self) -> None:
         for kind, _ in self.events:
             if kind not in _KV_EVENT_TYPES:
-                raise ValueError(f"KV event type must be 'stored' or 'removed', got {kind!r}")
+                raise ValueError(
+                    "KV event type must be 'stored' or 'removed' (in the offload tier "
+                    f"'offload_stored' or 'offload_removed'), got {kind!r}"
+                )
 
     @classmethod
     def from_engine(
@@ -266,8 +282,8 @@ class KVEventBatch:
                 "worker_id": self.worker_id,
                 "seq": self.seq,
                 "reset": self.reset,
-                # 1 = stored, 0 = removed: a byte per event instead of a string
-                "ops": bytes(1 if kind == "stored" else 0 for kind, _ in self.events),
+                # 1 = stored, 0 = removed (3 / 2 in the offload tier): a byte per event
+                "ops": bytes(_KV_OPS[kind] for kind, _ in self.events),
                 "hashes": [h for _, h in self.events],
             },
             use_bin_type=True,
@@ -284,11 +300,14 @@ class KVEventBatch:
         hashes = _get(obj, "hashes", list)
         if len(ops) != len(hashes):
             raise EventDecodeError(f"{len(ops)} event types for {len(hashes)} hashes")
-        if any(op not in (0, 1) for op in ops):
-            raise EventDecodeError("event types must be 0 (removed) or 1 (stored)")
+        if any(op not in _KV_KINDS for op in ops):
+            raise EventDecodeError(
+                "event types must be 0 (removed), 1 (stored), 2 (offload_removed) "
+                "or 3 (offload_stored)"
+            )
         if not all(isinstance(h, bytes) for h in hashes):
             raise EventDecodeError("block hashes must be bytes")
-        events = tuple(("stored" if op else "removed", h) for op, h in zip(ops, hashes, strict=True))
+        events = tuple((_KV_KINDS[op], h) for op, h in zip(ops, hashes, strict=True))
         return cls(
             worker_id=_get(obj, "worker_id", str),
             seq=_get(obj, "seq", int),
