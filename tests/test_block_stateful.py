@@ -11,7 +11,15 @@ tables hand out, and after every step checks the pool against a model:
 - every registered hash points at a block holding exactly the tokens it was
   computed from (a prefix hit can never return wrong KV);
 - cached blocks are evicted in LRU order (release order, tail blocks first),
-  and only when no never-hashed free block is left.
+  and only when no never-hashed free block is left;
+- with the offload tier behind the pool (`TIER_BLOCKS` blocks, LRU): every
+  evicted block spills there with its K/V, the tier holds exactly the model's
+  hashes, and a lookup that misses the pool revives the tier's run into fresh
+  blocks that read back the original tokens.
+
+The simulated KV store is a real `KVCache` (one layer, one head, head_dim 1,
+float64: a slot holds its token id), so spills and revivals go through the
+same `BlockTransfer` copies as serving.
 """
 
 from __future__ import annotations
@@ -19,16 +27,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
 from pagefleet.worker.block_table import BlockTable
+from pagefleet.worker.kv_cache import KVCache, ModelShape
+from pagefleet.worker.offload import HostOffloadTier, revive_offloaded
 from pagefleet.worker.prefix_hash import extend_block_hashes, hash_token_blocks
 
 BS = 4
 NUM_BLOCKS = 12
+TIER_BLOCKS = 6
 SYSTEM_PROMPTS = [[], [7, 7, 7, 7, 8, 8, 8, 8], [9, 9, 9, 9]]
 
 
@@ -43,8 +55,12 @@ class Seq:
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_BLOCKS, BS)
-        self.kv: list[int | None] = [None] * (NUM_BLOCKS * BS)
+        self.cache = KVCache(ModelShape(1, 1, 1, torch.float64), NUM_BLOCKS, BS)
+        self.cache.tensor.fill_(-1)
+        self.kv = self.cache.tensor[0, 0, :, :, 0, 0].reshape(-1)  # a view: slot -> token
+        per_block = self.cache.transfer.bytes_per_block
+        self.tier = HostOffloadTier(self.cache.transfer, TIER_BLOCKS * per_block, BS)
+        self.pool = BlockPool(NUM_BLOCKS, BS, spill=self.tier.store)
         self.seqs: list[Seq] = []
         # The model: which block holds each registered hash and what that block
         # must contain; the cached (ref 0) ones in LRU order; evictions so far.
@@ -52,6 +68,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.contents: dict[bytes, tuple[int, ...]] = {}
         self.lru: OrderedDict[bytes, int] = OrderedDict()
         self.evictions = 0
+        self.tier_model: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # LRU first
+
+    def tokens_at(self, start: int, end: int) -> list[int]:
+        return [int(x) for x in self.kv[start:end].tolist()]
 
     # ------------------------------------------------------------ model helpers
 
@@ -73,16 +93,47 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert needed > free_before + len(self.lru)
             assert (seq.table.block_ids, seq.table.num_tokens, self.pool.stats()) == before
             return False
-        to_evict = max(0, needed - free_before)
-        for _ in range(to_evict):
+        self.model_evict(max(0, needed - free_before))
+        for src, dst in result.copies:  # copy-on-write, before the new tokens land
+            self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS].clone()
+        return True
+
+    def model_evict(self, n: int) -> None:
+        """The pool evicted its `n` LRU cached blocks: they spill to the tier, in order."""
+        for _ in range(n):
             h, _block = self.lru.popitem(last=False)
             assert not self.pool.is_cached(h), "a cached block was evicted out of LRU order"
             del self.registry[h]
-            del self.contents[h]
-        self.evictions += to_evict
-        for src, dst in result.copies:  # copy-on-write, before the new tokens land
-            self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS]
-        return True
+            contents = self.contents.pop(h)
+            if h in self.tier_model:
+                self.tier_model.move_to_end(h)
+            else:
+                if len(self.tier_model) == TIER_BLOCKS:
+                    self.tier_model.popitem(last=False)
+                self.tier_model[h] = contents
+        self.evictions += n
+
+    def model_tier_run(self, hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.tier_model:
+            n += 1
+        return n
+
+    def revive(self, hashes: list[bytes]) -> list[int]:
+        """revive_offloaded on the hashes after the pool's hit, checked against the model."""
+        free_before = self.pool.stats().free
+        k = min(self.model_tier_run(hashes), free_before + len(self.lru))
+        blocks = revive_offloaded(self.pool, self.tier, hashes)
+        self.model_evict(max(0, k - free_before))
+        still = self.model_tier_run(hashes[:k])
+        assert len(blocks) == still
+        for block, h in zip(blocks, hashes, strict=False):
+            self.tier_model.move_to_end(h)
+            if h not in self.registry:
+                self.registry[h] = block
+                self.contents[h] = self.tier_model[h]
+            assert tuple(self.tokens_at(block * BS, (block + 1) * BS)) == self.tier_model[h]
+        return blocks
 
     def write_and_register(self, seq: Seq, new_tokens: list[int], start: int) -> None:
         for i, token in enumerate(new_tokens):
@@ -130,6 +181,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.lru.pop(h, None)  # revived: out of the free queue
         seq = Seq(BlockTable(self.pool), tokens, salt, hashes[:expected_hits])
         seq.table.append_cached(hits)
+        if expected_hits < len(hashes):
+            revived = self.revive(hashes[expected_hits:])
+            seq.table.append_cached(revived)
+            seq.hashes = hashes[: expected_hits + len(revived)]
         self.seqs.append(seq)
         cached_tokens = seq.table.num_tokens
         if not self.allocate_through(seq, len(tokens) - cached_tokens):
@@ -165,17 +220,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         expected = min(n, len(self.lru))
         assert self.pool.evict_cached(n) == expected
-        for _ in range(expected):
-            h, _block = self.lru.popitem(last=False)
-            del self.registry[h]
-            del self.contents[h]
-        self.evictions += expected
+        self.model_evict(expected)
 
     # ------------------------------------------------------------- invariants
 
     @invariant()
     def pool_is_consistent(self) -> None:
         self.pool.check_integrity()
+        self.tier.check_integrity()
+
+    @invariant()
+    def the_tier_holds_exactly_the_spilled_hashes(self) -> None:
+        assert self.tier.stats().offload_blocks == len(self.tier_model)
+        assert all(h in self.tier for h in self.tier_model)
 
     @invariant()
     def ref_counts_match_the_tables(self) -> None:
@@ -191,13 +248,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def every_sequence_reads_back_its_own_tokens(self) -> None:
         for seq in self.seqs:
             assert seq.table.num_tokens == len(seq.tokens)
-            assert [self.kv[seq.table.slot(p)] for p in range(len(seq.tokens))] == seq.tokens
+            assert [int(self.kv[seq.table.slot(p)]) for p in range(len(seq.tokens))] == seq.tokens
 
     @invariant()
     def every_registered_hash_points_at_its_tokens(self) -> None:
         for h, block in self.registry.items():
             assert self.pool.is_cached(h) and self.pool.block_hash(block) == h
-            assert tuple(self.kv[block * BS : (block + 1) * BS]) == self.contents[h]
+            assert tuple(self.tokens_at(block * BS, (block + 1) * BS)) == self.contents[h]
         for h, block in self.lru.items():
             assert self.pool.ref_count(block) == 0 and self.registry[h] == block
 
@@ -205,6 +262,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in list(self.seqs):
             self.release(seq)
         self.pool.check_integrity()
+        self.tier.check_integrity()
         stats = self.pool.stats()
         assert stats.live == 0
         assert stats.free + stats.cached == stats.total == NUM_BLOCKS
