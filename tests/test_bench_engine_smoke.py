@@ -31,3 +31,10 @@ def test_throughput_smoke_prints_the_ratio_table() -> None:
 def test_prefix_cache_smoke_hits_the_ideal_prefix() -> None:
     out = run_smoke("prefix_cache.py")
     assert "hit tokens vs ideal: 100.0%" in out
+
+
+@pytest.mark.slow
+def test_offload_smoke_brings_every_history_back_unchanged() -> None:
+    out = run_smoke("offload.py")
+    assert "tier hit rate vs ideal: 100.0%" in out
+    assert "outputs equal with and without the tier: True" in out
