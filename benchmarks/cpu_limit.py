@@ -123,6 +123,29 @@ def dense_floor(
     return prefill, time.perf_counter() - start
 
 
+@torch.inference_mode()
+def decode_step_by_threads(hf: Any, rows: int, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one decode step's matmuls (`rows` rows) at 1 and 2 torch threads."""
+    body, head = linear_layers(hf)
+    dtype = head.weight.dtype
+    inputs = {w: torch.randn(rows, w, dtype=dtype) for w in {m.in_features for m in [*body, head]}}
+    saved = torch.get_num_threads()
+    out: dict[int, float] = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            samples = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                for m in [*body, head]:
+                    F.linear(inputs[m.in_features], m.weight, m.bias)
+                samples.append(time.perf_counter() - start)
+            out[threads] = sorted(samples[1:])[repeats // 2]
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
 # ------------------------------------------------------------------------- peers
 
 
@@ -365,6 +388,10 @@ def main() -> None:
           f"{threads} torch threads; {len(prompts)} requests, prompts {min(lens)}-{max(lens)} "
           f"tokens ({sum(lens)} in all), {n_out} output tokens each, greedy")
 
+    by_threads = decode_step_by_threads(hf, len(prompts))
+    print(f"one decode step's matmuls ({len(prompts)} rows), median of 5: "
+          f"1 thread {by_threads[1] * 1000:.1f} ms, 2 threads {by_threads[2] * 1000:.1f} ms "
+          f"({by_threads[1] / by_threads[2]:.2f}x speed-up from the second thread)")
     llm = make_llm(args.model, len(prompts))
     chunk = llm.engine.config.max_num_batched_tokens
     pagefleet_run(llm, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)  # warm-up
