@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,9 +11,38 @@ from pagefleet.worker.block_pool import is_valid_block_size
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# Without a GPU there is no free memory to measure; this many bytes of KV pool
-# is plenty for the built-in model and small enough for any laptop.
+# The CPU KV pool when the host's available memory cannot be read (not Linux):
+# plenty for the built-in model and small enough for any laptop.
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+
+
+def available_host_memory() -> int | None:
+    """Bytes the host can still hand out without swapping (Linux `MemAvailable`), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_cpu_kv_bytes(config: EngineConfig, bytes_per_token: int, max_model_len: int) -> int:
+    """The CPU KV budget when none is given: `cpu_kv_memory_fraction` of available memory.
+
+    Capped at what the engine can ever hold (`max_num_seqs` sequences of
+    `max_model_len` tokens), so a small model does not pin gigabytes it never
+    uses; `DEFAULT_CPU_KV_BYTES` where available memory cannot be read.
+    """
+    available = available_host_memory()
+    if available is None:
+        return DEFAULT_CPU_KV_BYTES
+    ceiling = config.max_num_seqs * max_model_len * bytes_per_token
+    return max(1, min(int(available * config.cpu_kv_memory_fraction), ceiling))
 
 
 @dataclass(frozen=True)
@@ -21,7 +51,9 @@ class EngineConfig:
 
     KV pool size: `num_kv_blocks` if given, else `kv_memory_bytes`, else on
     CUDA `gpu_memory_utilization` of the device minus weights and a profiled
-    forward at `max_num_batched_tokens`, on CPU `DEFAULT_CPU_KV_BYTES`.
+    forward at `max_num_batched_tokens`, on CPU `cpu_kv_memory_fraction` of the
+    host memory available at start (capped at `max_num_seqs` full-length
+    sequences; see `default_cpu_kv_bytes`).
     `max_model_len` defaults to the model's `max_position_embeddings`.
     `swap_space_bytes` bounds the CPU buffer that swap preemption copies
     blocks into. `kv_offload_bytes` (0: off) sizes the offload tier: host
@@ -44,6 +76,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
+    cpu_kv_memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if not is_valid_block_size(self.block_size):
@@ -78,4 +111,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not 0.0 < self.cpu_kv_memory_fraction <= 0.9:
+            raise ValueError(
+                f"cpu_kv_memory_fraction must be in (0, 0.9], got {self.cpu_kv_memory_fraction}"
             )

@@ -20,7 +20,7 @@ import torch
 
 from pagefleet.worker.batch_scheduler import BatchScheduler
 from pagefleet.worker.block_pool import BlockPool
-from pagefleet.worker.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
@@ -86,7 +86,8 @@ class LLMEngine:
             activations = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
             return blocks_for_budget(shape, budget, cfg.block_size)
-        return blocks_for_budget(shape, DEFAULT_CPU_KV_BYTES, cfg.block_size)
+        budget = default_cpu_kv_bytes(cfg, shape.bytes_per_token, self.max_model_len)
+        return blocks_for_budget(shape, budget, cfg.block_size)
 
     # ----------------------------------------------------------------- requests
 

