@@ -149,13 +149,19 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """A client identity: its pool, its prefix-cache salt and its API key."""
+    """A client identity: its pool, its prefix-cache salt and its API key.
+
+    `weight` is the tenant's share of a shared pool's wait queue, relative to
+    the other tenants of that pool: its part of `scheduler.wait_queue_size`
+    and of the dispatch order (weighted fair queueing).
+    """
 
     name: str
     pool: str
     salt: str | None = None
     api_key: str | None = None
     api_key_env: str | None = None
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -164,6 +170,8 @@ class TenantConfig:
             _fail("salt", "must not be empty (omit it to derive one from the name)")
         if self.api_key == "":
             _fail("api_key", "must not be empty (omit it for a tenant without a key)")
+        if not 0 < self.weight < float("inf"):
+            _fail("weight", f"must be a finite number > 0, got {self.weight}")
 
     def cache_salt(self) -> str:
         """The prefix-cache salt router and workers must both use for this tenant.
