@@ -221,6 +221,7 @@ class Ingress:
             metrics.track_wait_queue(
                 lambda: {pool.name: self._waiting.size(pool.name) for pool in config.pools}
             )
+            metrics.name_tenants({t.cache_salt(): t.name for t in config.tenants})
         self._poller: asyncio.Task[None] | None = None
         self.policy = config.router.policy
 
@@ -471,7 +472,11 @@ class Ingress:
             queue = self.config.scheduler.wait_queue_size
             running = sum(slot.in_flight for slot in slots)
             share = self._waiting.share(pool.name, req.tenant)
-            if self._waiting.size(pool.name, req.tenant) >= share and share < queue:
+            over_share = self._waiting.size(pool.name, req.tenant) >= share and share < queue
+            if self.metrics is not None:
+                reason = "queue_share" if over_share else "queue_full"
+                self.metrics.tenant_requests_refused.labels(pool.name, req.tenant, reason).inc()
+            if over_share:
                 # The pool may have room in its queue, but not for this tenant: others
                 # sharing the pool keep their part (a flood cannot lock them out).
                 raise IngressError(

@@ -25,6 +25,9 @@ class EngineConfig:
     `max_model_len` defaults to the model's `max_position_embeddings`.
     `swap_space_bytes` bounds the CPU buffer that swap preemption copies
     blocks into. `seed` seeds requests that bring no seed of their own.
+    `tenant_max_live_blocks` caps the live blocks of a tenant, as
+    ``(salt, max_blocks)`` pairs keyed by the request's prefix-cache salt
+    (see `worker.tenant_quota`).
     """
 
     model: str | Path = "tiny"
@@ -41,6 +44,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
+    tenant_max_live_blocks: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not is_valid_block_size(self.block_size):
@@ -65,6 +69,9 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for salt, cap in self.tenant_max_live_blocks:
+            if cap < 1:
+                raise ValueError(f"tenant_max_live_blocks for salt {salt!r} must be >= 1, got {cap}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
