@@ -2,12 +2,13 @@
 
 One cluster for the module: pool "shared" (2 CPU workers, max_num_seqs 4,
 wait queue 8) used by tenants "a" and "b" (weight 1 each, so each may hold 4
-of the 8 waiting places).
+of the 8 waiting places); b may hold at most 32 live KV blocks per worker.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ MAX_NUM_SEQS = 4
 WAIT_QUEUE = 8
 # Long enough that the flood still holds the pool while b's requests arrive.
 FLOOD_TOKENS = 120
+B_CAP = 32
 
 
 def _config() -> ClusterConfig:
@@ -46,7 +48,7 @@ def _config() -> ClusterConfig:
             ],
             "tenants": [
                 {"name": "a", "pool": "shared", "api_key": "key-a"},
-                {"name": "b", "pool": "shared", "api_key": "key-b"},
+                {"name": "b", "pool": "shared", "api_key": "key-b", "max_live_blocks": B_CAP},
             ],
             "scheduler": {
                 "report_interval_s": 0.2,
@@ -121,4 +123,25 @@ def test_while_a_floods_the_shared_pool_b_is_admitted_and_finishes(cluster: Runn
     assert all(
         r.startswith("RESOURCE_EXHAUSTED") and "its share of wait_queue_size 8" in r for r in refused
     )
+    _pools_end_clean(cluster)
+
+
+def test_the_ingress_exports_per_tenant_refusals_and_live_blocks(cluster: RunningCluster) -> None:
+    # Runs after the flood: a's requests past its queue share were counted by reason.
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'tenant_requests_refused_total{pool="shared",reason="queue_share",tenant="a"} 4.0' in body
+    assert 'tenant_kv_blocks_live{pool="shared",tenant="a",worker="shared-0"}' in body
+    assert "tenant_kv_block_cap_refusals_total" in body
+    assert "key-b" not in body and "tenant:b" not in body  # no key, no salt
+
+
+def test_a_request_larger_than_the_tenant_s_block_cap_is_invalid_naming_the_cap(
+    cluster: RunningCluster,
+) -> None:
+    # 10 + 150 tokens need 40 blocks of 4: more than b's 32 on any worker.
+    result = _run(cluster.grpc_target, "key-b", "too big for b", 150)
+    assert result.startswith("INVALID_ARGUMENT")
+    assert f"max_live_blocks is {B_CAP}" in result
+    assert _run(cluster.grpc_target, "key-a", "a has no cap", 150) == "length"
     _pools_end_clean(cluster)
