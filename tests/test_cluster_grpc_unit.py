@@ -121,7 +121,9 @@ def test_pool_without_live_workers_is_unavailable() -> None:
 
 
 def _request(request_id: str) -> GenerationRequest:
-    return GenerationRequest.create(request_id=request_id, prompt=[1, 2, 3], sampling={})
+    return GenerationRequest.create(
+        request_id=request_id, prompt=[1, 2, 3], sampling={}, tenant="default"
+    )
 
 
 def _two_full_workers() -> Ingress:

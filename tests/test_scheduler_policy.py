@@ -1,14 +1,12 @@
-"""Scheduler policies: admission, eviction watermarks, preemption across workers, the wait queue."""
+"""Scheduler policies: admission, eviction watermarks, preemption across workers."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagefleet.scheduler.policy import (
-    ClusterWaitQueue,
     EvictionWatermarks,
     PreemptionPlan,
-    ResourceExhausted,
     blocks_for_prompt,
     blocks_to_evict,
     can_admit,
@@ -140,65 +138,3 @@ def test_preemption_plan_carries_the_mode() -> None:
         swap_free_blocks={"w0": 16},
     )
     assert plans[0].mode == "swap"
-
-
-def test_wait_queue_is_fifo_per_pool() -> None:
-    queue: ClusterWaitQueue[str] = ClusterWaitQueue(4)
-    queue.push("chat", "r1", "x")
-    queue.push("batch", "r2", "y")
-    queue.push("chat", "r3", "z")
-    assert queue.pop("chat") == ("r1", "x")
-    assert queue.pop("chat") == ("r3", "z")
-    assert queue.pop("chat") is None
-    assert len(queue) == 1
-
-
-def test_wait_queue_past_its_bound_raises_resource_exhausted() -> None:
-    queue: ClusterWaitQueue[int] = ClusterWaitQueue(2)
-    queue.push("chat", "r1", 1)
-    queue.push("chat", "r2", 2)
-    with pytest.raises(ResourceExhausted, match="2 requests waiting") as info:
-        queue.push("chat", "r3", 3)
-    assert info.value.code == "RESOURCE_EXHAUSTED"
-    assert queue.size("chat") == 2
-
-
-def test_wait_queue_bound_is_per_pool() -> None:
-    queue: ClusterWaitQueue[int] = ClusterWaitQueue(1)
-    queue.push("chat", "r1", 1)
-    queue.push("batch", "r2", 2)
-    assert queue.size("batch") == 1
-
-
-def test_aborted_request_leaves_the_wait_queue() -> None:
-    queue: ClusterWaitQueue[int] = ClusterWaitQueue(2)
-    queue.push("chat", "r1", 1)
-    assert queue.remove("r1")
-    assert "r1" not in queue
-    assert not queue.remove("r1")
-    queue.push("chat", "r1", 1)  # the slot and the id are free again
-
-
-def test_request_cannot_wait_twice() -> None:
-    queue: ClusterWaitQueue[int] = ClusterWaitQueue(2)
-    queue.push("chat", "r1", 1)
-    with pytest.raises(ValueError, match="already waiting"):
-        queue.push("chat", "r1", 1)
-
-
-def test_wait_queue_peek_shows_the_oldest_without_removing_it() -> None:
-    queue: ClusterWaitQueue[str] = ClusterWaitQueue(4)
-    queue.push("chat", "r1", "x")
-    queue.push("chat", "r2", "y")
-    assert queue.peek("chat") == ("r1", "x")
-    assert queue.peek("chat") == ("r1", "x")
-    assert queue.peek("batch") is None
-    assert queue.size("chat") == 2
-
-
-def test_wait_queue_get_finds_a_waiting_item_by_request_id() -> None:
-    queue: ClusterWaitQueue[str] = ClusterWaitQueue(4)
-    queue.push("chat", "r1", "x")
-    assert queue.get("r1") == "x"
-    queue.remove("r1")
-    assert queue.get("r1") is None

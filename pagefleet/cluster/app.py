@@ -243,7 +243,10 @@ def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tupl
     workers: dict[str, list[tuple[str, Any]]] = {}
     for pool in config.pools:
         num_cpus, num_gpus = worker_resources(pool, cluster_gpus)
-        engine_config = EngineConfig(**pool.engine_kwargs(device="cuda" if num_gpus else "cpu"))
+        engine_config = EngineConfig(
+            **pool.engine_kwargs(device="cuda" if num_gpus else "cpu"),
+            tenant_max_live_blocks=config.tenant_block_caps(),
+        )
         workers[pool.name] = []
         for i in range(pool.workers):
             worker_id = f"{pool.name}-{i}"

@@ -152,13 +152,21 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """A client identity: its pool, its prefix-cache salt and its API key."""
+    """A client identity: its pool, its prefix-cache salt and its API key.
+
+    `weight` is the tenant's share of a shared pool's wait queue, relative to
+    the other tenants of that pool: its part of `scheduler.wait_queue_size`
+    and of the dispatch order (weighted fair queueing). `max_live_blocks`
+    optionally caps the live KV blocks the tenant may hold on each worker.
+    """
 
     name: str
     pool: str
     salt: str | None = None
     api_key: str | None = None
     api_key_env: str | None = None
+    weight: float = 1.0
+    max_live_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -167,6 +175,9 @@ class TenantConfig:
             _fail("salt", "must not be empty (omit it to derive one from the name)")
         if self.api_key == "":
             _fail("api_key", "must not be empty (omit it for a tenant without a key)")
+        if not 0 < self.weight < float("inf"):
+            _fail("weight", f"must be a finite number > 0, got {self.weight}")
+        _at_least("max_live_blocks", self.max_live_blocks, 1)
 
     def cache_salt(self) -> str:
         """The prefix-cache salt router and workers must both use for this tenant.
@@ -380,6 +391,12 @@ class ClusterConfig:
             if tenant.api_key is not None and hmac.compare_digest(tenant.api_key.encode(), encoded):
                 match = tenant
         return match
+
+    def tenant_block_caps(self) -> tuple[tuple[str, int], ...]:
+        """``(salt, max_live_blocks)`` of each capped tenant (`EngineConfig.tenant_max_live_blocks`)."""
+        return tuple(
+            (t.cache_salt(), t.max_live_blocks) for t in self.tenants if t.max_live_blocks is not None
+        )
 
     @property
     def auth_required(self) -> bool:

@@ -55,12 +55,12 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | N
 
 
 def request_from_proto(
-    msg: pb.GenerateRequest, *, pool: str | None = None, salt: str | None = None
+    msg: pb.GenerateRequest, *, pool: str | None = None, salt: str | None = None, tenant: str = ""
 ) -> GenerationRequest:
     """Validate a wire request; raises `IngressError(INVALID_ARGUMENT)` with the reason.
 
-    `pool` and `salt` come from the authenticated tenant (the server sets the
-    prefix-cache salt, never the client).
+    `pool`, `salt` and `tenant` come from the authenticated tenant (the server
+    sets the prefix-cache salt, never the client).
     """
     has_text = bool(msg.prompt)
     has_ids = len(msg.prompt_token_ids) > 0
@@ -89,6 +89,7 @@ def request_from_proto(
             priority=msg.priority,
             pool=msg.pool if pool is None else pool,
             salt=salt,
+            tenant=tenant,
         )
     except ValueError as exc:  # SamplingParams validation names the field and the limit
         raise IngressError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
@@ -121,7 +122,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
             pool = self._ingress.tenant_pool(tenant, request.pool)
-            req = request_from_proto(request, pool=pool, salt=tenant.cache_salt())
+            req = request_from_proto(
+                request, pool=pool, salt=tenant.cache_salt(), tenant=tenant.name
+            )
             async for delta in self._ingress.generate(req):
                 yield delta_to_proto(delta)
         except IngressError as exc:

@@ -10,11 +10,13 @@ so the router's index of cached prefixes stays fresh asynchronously.
 Admission (late binding): a request is sent to a worker only when some live
 worker of its pool has room for it (fewer than max_num_seqs of the ingress's
 requests in flight there and, by its latest load report, free plus cached
-blocks for the prompt's uncached blocks). Otherwise it waits, FIFO per pool,
-in a bounded `ClusterWaitQueue` at the ingress and is routed when a request
-finishes or a poll shows capacity, so the router places it with fresh load and
-cache information instead of it queuing blind inside one worker's engine.
-Past the queue's bound the request is refused with RESOURCE_EXHAUSTED.
+blocks for the prompt's uncached blocks). Otherwise it waits in the pool's
+bounded `FairWaitQueue` at the ingress (tenants sharing the pool in weighted
+fair order, FIFO within a tenant) and is routed when a request finishes or a
+poll shows capacity, so the router places it with fresh load and cache
+information instead of it queuing blind inside one worker's engine. Past the
+queue's bound, or past the tenant's share of it, the request is refused with
+RESOURCE_EXHAUSTED.
 
 Faults: when a worker dies mid-stream, the request is re-submitted to
 another live worker of the same pool as prompt + the tokens already streamed
@@ -46,7 +48,8 @@ from ray.exceptions import (
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
-from pagefleet.scheduler.policy import ClusterWaitQueue, ResourceExhausted, can_admit
+from pagefleet.scheduler.fair_queue import FairWaitQueue
+from pagefleet.scheduler.policy import ResourceExhausted, can_admit
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import EventDecodeError, KVEventBatch, LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
@@ -89,6 +92,8 @@ class GenerationRequest:
     priority: int = 0
     pool: str = ""
     salt: str | None = None
+    # The authenticated tenant's name: its fair share of the pool's wait queue.
+    tenant: str = ""
 
     @classmethod
     def create(
@@ -100,6 +105,7 @@ class GenerationRequest:
         priority: int = 0,
         pool: str = "",
         salt: str | None = None,
+        tenant: str = "",
     ) -> GenerationRequest:
         """Build and validate; raises ValueError (from SamplingParams) with the limit."""
         return cls(
@@ -109,6 +115,7 @@ class GenerationRequest:
             priority=priority,
             pool=pool,
             salt=salt,
+            tenant=tenant,
         )
 
 
@@ -202,11 +209,19 @@ class Ingress:
                 self.router.set_alive(worker_id, False)
         self._tokenizers: dict[str, Any] = {}
         self._running: dict[str, _Running] = {}
-        self._waiting: ClusterWaitQueue[_Waiter] = ClusterWaitQueue(config.scheduler.wait_queue_size)
+        # Tenants sharing a pool split its queue by weight and are dispatched fairly.
+        members = {
+            pool.name: {t.name: t.weight for t in config.tenants if t.pool == pool.name}
+            for pool in config.pools
+        }
+        self._waiting: FairWaitQueue[_Waiter] = FairWaitQueue(
+            config.scheduler.wait_queue_size, members
+        )
         if metrics is not None:
             metrics.track_wait_queue(
                 lambda: {pool.name: self._waiting.size(pool.name) for pool in config.pools}
             )
+            metrics.name_tenants({t.cache_salt(): t.name for t in config.tenants})
         self._poller: asyncio.Task[None] | None = None
         self.policy = config.router.policy
 
@@ -447,14 +462,29 @@ class Ingress:
         if self._waiting.size(pool.name) == 0:  # FIFO: nobody may overtake a waiting request
             slot = self._place(pool, prompt_ids, hashes)
             if slot is not None:
+                self._waiting.charge(pool.name, req.tenant)  # its turn counts in fair order
                 return slot
         waiter = _Waiter(prompt_ids, hashes, asyncio.get_running_loop().create_future())
         try:
-            self._waiting.push(pool.name, req.request_id, waiter)
+            self._waiting.push(pool.name, req.tenant, req.request_id, waiter)
         except ResourceExhausted as exc:
             max_num_seqs = self._max_num_seqs(pool)
             queue = self.config.scheduler.wait_queue_size
             running = sum(slot.in_flight for slot in slots)
+            share = self._waiting.share(pool.name, req.tenant)
+            over_share = self._waiting.size(pool.name, req.tenant) >= share and share < queue
+            if self.metrics is not None:
+                reason = "queue_share" if over_share else "queue_full"
+                self.metrics.tenant_requests_refused.labels(pool.name, req.tenant, reason).inc()
+            if over_share:
+                # The pool may have room in its queue, but not for this tenant: others
+                # sharing the pool keep their part (a flood cannot lock them out).
+                raise IngressError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"tenant {req.tenant!r} has {share} requests waiting in pool {pool.name!r}, "
+                    f"its share of wait_queue_size {queue} (weight "
+                    f"{self._waiting.weight(pool.name, req.tenant):g}); retry later",
+                ) from exc
             raise IngressError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"pool {pool.name!r} is full: {running} requests running and "
@@ -495,7 +525,7 @@ class Ingress:
         return can_admit(slot.report, len(prompt_ids), pool.block_size, matched_blocks=matched)
 
     def _dispatch(self, pool_name: str) -> None:
-        """Route the pool's oldest waiting requests while a worker has room for them."""
+        """Route the pool's waiting requests, in fair order, while a worker has room for them."""
         # With every worker out of routing (restarting, or a late report) the waiters
         # keep waiting: the poll that sees a worker back dispatches them.
         pool = self._pool_config(pool_name)
@@ -507,8 +537,8 @@ class Ingress:
                 continue
             slot = self._place(pool, waiter.prompt_ids, waiter.hashes)
             if slot is None:
-                return  # FIFO: the head waits for room, and so does everyone behind it
-            self._waiting.remove(request_id)
+                return  # the head waits for room, and so does everyone behind it
+            self._waiting.pop(pool_name)  # advances the pool's virtual clock (fair order)
             waiter.future.set_result(slot)
 
     def _leave_queue(self, request_id: str, waiter: _Waiter) -> None:

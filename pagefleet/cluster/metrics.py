@@ -119,6 +119,28 @@ class IngressMetrics:
             "failovers", "streams resumed on another worker after a worker failure", ("pool",),
             registry=self.registry,
         )
+        tenant_labels = (*labels, "tenant")
+        self._tenant_live = Gauge(
+            "tenant_kv_blocks_live", "live KV blocks a tenant holds on the worker", tenant_labels,
+            registry=self.registry,
+        )
+        self._tenant_cap_refusals = _ReportCounter(
+            Counter(
+                "tenant_kv_block_cap_refusals",
+                "admissions deferred and sequences preempted because the tenant was at its "
+                "max_live_blocks", tenant_labels, registry=self.registry,
+            )
+        )
+        self.tenant_requests_refused = Counter(
+            "tenant_requests_refused",
+            "requests refused with RESOURCE_EXHAUSTED at the ingress, by reason "
+            "(queue_share: the tenant's share of the wait queue; queue_full: the pool's queue)",
+            ("pool", "tenant", "reason"), registry=self.registry,
+        )
+        # Reports name tenants by their prefix-cache salt, which is never exported
+        # (an operator-set salt is a secret): the ingress maps salts to tenant names.
+        self._tenant_names: dict[str, str] = {}
+        self._tenant_series: dict[tuple[str, str], set[str]] = {}
 
     def observe_report(self, report: LoadReport) -> None:
         """Copy one worker's load report into the gauges and counters."""
@@ -133,6 +155,34 @@ class IngressMetrics:
             counter.set_total(labels, getattr(report, field))
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
+        self._observe_tenants(report)
+
+    def name_tenants(self, names: Mapping[str, str]) -> None:
+        """Map prefix-cache salts to tenant names for the `tenant` label (unknown: "other")."""
+        self._tenant_names = dict(names)
+
+    def _tenant(self, salt: str) -> str:
+        return self._tenant_names.get(salt, "other")
+
+    def _observe_tenants(self, report: LoadReport) -> None:
+        labels = (report.pool, report.worker_id)
+        live: dict[str, int] = {}
+        for salt, blocks in report.tenant_live_blocks.items():
+            tenant = self._tenant(salt)
+            live[tenant] = live.get(tenant, 0) + blocks
+        # A tenant whose last sequence ended drops out of the report: show 0, not its old value.
+        shown = self._tenant_series.setdefault(labels, set())
+        for tenant in shown - live.keys():
+            self._tenant_live.labels(*labels, tenant).set(0)
+        for tenant, blocks in live.items():
+            self._tenant_live.labels(*labels, tenant).set(blocks)
+        shown.update(live)
+        refusals: dict[str, int] = {}
+        for salt, count in report.tenant_cap_refusals.items():
+            tenant = self._tenant(salt)
+            refusals[tenant] = refusals.get(tenant, 0) + count
+        for tenant, count in refusals.items():
+            self._tenant_cap_refusals.set_total((*labels, tenant), count)
 
     def track_wait_queue(self, sizes: Callable[[], Mapping[str, int]]) -> None:
         """Export `ingress_waiting_requests{pool}`, read from `sizes()` at each scrape."""

@@ -532,6 +532,7 @@ class _OpenAIApi:
                     sampling=parsed.sampling,
                     pool=pool,
                     salt=tenant.cache_salt(),
+                    tenant=tenant.name,
                 )
             except ValueError as exc:  # SamplingParams names the field and the limit
                 raise _invalid(str(exc)) from exc

@@ -1,4 +1,4 @@
-"""Cluster scheduling policies as pure functions (plus one small bounded queue).
+"""Cluster scheduling policies as pure functions.
 
 Used by the central scheduler and by workers alike, and testable without Ray:
 
@@ -6,22 +6,18 @@ Used by the central scheduler and by workers alike, and testable without Ray:
 - eviction: how many cached blocks a worker should evict to stay above its
   free-block watermark (`blocks_to_evict`);
 - preemption: which sequences, on which worker, in which mode, when a pool
-  fills (`choose_preemption`, reusing the engine's `choose_victims`);
-- a bounded cluster wait queue for when every worker of a pool is full; past
-  its bound it refuses with RESOURCE_EXHAUSTED instead of growing a backlog.
+  fills (`choose_preemption`, reusing the engine's `choose_victims`).
+
+The ingress wait queue (tenants' fair shares) is `scheduler.fair_queue`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
-
-_T = TypeVar("_T")
 
 # Rough costs for choosing a preemption mode when the caller has no measurement:
 # a prefill token on a mid-size GPU model vs. moving KV over PCIe.
@@ -176,70 +172,3 @@ class ResourceExhausted(RuntimeError):
     """A bounded queue is full (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429)."""
 
     code = "RESOURCE_EXHAUSTED"
-
-
-class ClusterWaitQueue(Generic[_T]):
-    """Bounded FIFO of requests waiting for a pool whose workers are all full.
-
-    The bound is per pool, so one saturated pool cannot starve another of
-    queue space.
-    """
-
-    def __init__(self, max_size: int) -> None:
-        if max_size < 0:
-            raise ValueError(f"max_size must be >= 0, got {max_size}")
-        self.max_size = max_size
-        self._queues: dict[str, OrderedDict[str, _T]] = {}
-        self._pool_of: dict[str, str] = {}
-
-    def push(self, pool: str, request_id: str, item: _T) -> None:
-        """Enqueue; raises ResourceExhausted when the pool's queue holds `max_size` requests."""
-        if request_id in self._pool_of:
-            raise ValueError(f"request {request_id!r} is already waiting")
-        queue = self._queues.setdefault(pool, OrderedDict())
-        if len(queue) >= self.max_size:
-            raise ResourceExhausted(
-                f"pool {pool!r}: wait queue is full ({self.max_size} requests waiting); retry later"
-            )
-        queue[request_id] = item
-        self._pool_of[request_id] = pool
-
-    def pop(self, pool: str) -> tuple[str, _T] | None:
-        """The pool's oldest waiting request, or None."""
-        queue = self._queues.get(pool)
-        if not queue:
-            return None
-        request_id, item = queue.popitem(last=False)
-        del self._pool_of[request_id]
-        return request_id, item
-
-    def peek(self, pool: str) -> tuple[str, _T] | None:
-        """The pool's oldest waiting request without removing it, or None."""
-        queue = self._queues.get(pool)
-        if not queue:
-            return None
-        request_id = next(iter(queue))
-        return request_id, queue[request_id]
-
-    def get(self, request_id: str) -> _T | None:
-        """The item of a waiting request, or None if it is not waiting."""
-        pool = self._pool_of.get(request_id)
-        return None if pool is None else self._queues[pool][request_id]
-
-    def remove(self, request_id: str) -> bool:
-        """Drop a waiting request (client aborted); False if it was not waiting."""
-        pool = self._pool_of.pop(request_id, None)
-        if pool is None:
-            return False
-        del self._queues[pool][request_id]
-        return True
-
-    def size(self, pool: str) -> int:
-        """Requests waiting for `pool`."""
-        return len(self._queues.get(pool, ()))
-
-    def __len__(self) -> int:
-        return len(self._pool_of)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._pool_of

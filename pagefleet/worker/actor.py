@@ -151,6 +151,7 @@ class WorkerActor:
             self._report_seq,
             self._engine.stats(),
             tenant_live_blocks=self._engine.tenant_live_blocks(),
+            tenant_cap_refusals=self._engine.tenant_cap_refusals(),
             incarnation=self.incarnation,
         ).encode()
 

@@ -140,6 +140,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.tenant_live_blocks()
 
+    def tenant_cap_refusals(self) -> dict[str, int]:
+        """`LLMEngine.tenant_cap_refusals`, between two steps."""
+        with self._lock:
+            return self.engine.tenant_cap_refusals()
+
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
         with self._lock:

@@ -19,6 +19,11 @@ the front (its prompt and generated tokens are computed again, usually
 hitting its own just-cached blocks); "swap" copies the blocks to a bounded
 CPU swap space and frees them (falls back to recompute when the space is
 full); "auto" picks per victim whichever the measured costs say is cheaper.
+
+Tenant caps (`EngineConfig.tenant_max_live_blocks`, see `tenant_quota`): a
+waiting sequence whose tenant is at its cap is passed over (it keeps its
+place; others behind it are admitted), and a running one that needs a block
+past the cap preempts its own tenant's sequences (recompute) first.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pagefleet.worker.kv_cache import KVCache
 from pagefleet.worker.offload import KVTier, revive_offloaded
 from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
 from pagefleet.worker.sequence import Sequence, SequenceStatus, SwappedKV
+from pagefleet.worker.tenant_quota import TenantBlockQuota
 
 # Starting estimates for "auto" preemption until steps and swaps are measured:
 # 0.2 ms per recomputed token (a small model on a CPU core; GPUs are far faster,
@@ -91,6 +97,7 @@ class BatchScheduler:
         self.recompute_seconds_per_token = INITIAL_RECOMPUTE_SECONDS_PER_TOKEN
         self.swap_bytes_per_second = INITIAL_SWAP_BYTES_PER_SECOND
         self._admit_counter = 0
+        self.quota = TenantBlockQuota(dict(config.tenant_max_live_blocks))
         kv_shape = kv.tensor.shape
         self.bytes_per_block = kv.nbytes // kv_shape[2]
 
@@ -172,6 +179,8 @@ class BatchScheduler:
                 break  # keeps its blocks; runs next step
             assert seq.table is not None
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._fit_quota(seq, n, pending[i + 1 :]):
+                continue  # seq itself was preempted to keep its tenant within its cap
             if not self._make_room(seq, n, pending[i + 1 :]):
                 continue  # seq itself was preempted
             result = seq.table.append_slots(n)
@@ -187,21 +196,34 @@ class BatchScheduler:
             needed = seq.table.blocks_needed(n)
             if self.pool.can_allocate(needed):
                 return True
-            candidates = [
-                VictimCandidate(
-                    request_id=s.seq_id,
-                    priority=s.priority,
-                    arrival_time=s.request.arrival_time,
-                    admitted_seq=s.admitted_seq,
-                    num_blocks=len(s.table.block_ids) if s.table is not None else 0,
-                )
-                for s in [seq, *others]
-                if s.status is SequenceStatus.RUNNING
-            ]
+            candidates = _candidates([seq, *others])
             victims = choose_victims(candidates, needed - self.pool.num_allocatable)
             by_id = {s.seq_id: s for s in [seq, *others]}
             victim = by_id[victims[0]]
             self.preempt(victim)
+            if victim is seq:
+                return False
+
+    def _fit_quota(self, seq: Sequence, n: int, others: list[Sequence]) -> bool:
+        """Preempt the tenant's own sequences until `seq`'s next blocks fit its cap.
+
+        False if `seq` itself was the victim. Victims are recomputed, never
+        swapped: swapped blocks still count against the cap.
+        """
+        salt = seq.request.salt
+        if self.quota.cap(salt) is None:
+            return True
+        assert seq.table is not None
+        while True:
+            excess = self.quota.excess(salt, seq.table.blocks_needed(n), self.running, self.swapped)
+            if excess <= 0:
+                return True
+            mine = [s for s in [seq, *others] if (s.request.salt or "") == (salt or "")]
+            victims = choose_victims(_candidates(mine), excess)
+            by_id = {s.seq_id: s for s in mine}
+            victim = by_id[victims[0]]
+            self.quota.refuse(salt)
+            self.preempt(victim, force_recompute=True)
             if victim is seq:
                 return False
 
@@ -240,6 +262,7 @@ class BatchScheduler:
             self.waiting = deque(sorted(self.waiting, key=lambda s: -s.priority))  # stable
         bs = self.block_size
         caching = self.config.enable_prefix_caching
+        capped: list[Sequence] = []  # passed over (tenant at its cap), keep their places
         while self.waiting and self._room(out, budget):
             seq = self.waiting[0]
             # The last prompt token is always computed: its logits are needed.
@@ -250,6 +273,10 @@ class BatchScheduler:
             best_n = min(seq.num_tokens - best_computed, budget)
             if not self.pool.can_allocate(-(-best_n // bs)):
                 break
+            if self.quota.excess(seq.request.salt, -(-best_n // bs), self.running, self.swapped) > 0:
+                self.quota.refuse(seq.request.salt)
+                capped.append(self.waiting.popleft())
+                continue
             table = BlockTable(self.pool)
             hits = self.pool.lookup(hashes) if hashes else []
             table.append_cached(hits)
@@ -262,6 +289,14 @@ class BatchScheduler:
             if not self.pool.can_allocate(table.blocks_needed(n)):
                 table.free()
                 break
+            # Hits revived from the cache (ref count now 1) become live for the tenant too.
+            revived = sum(1 for b in hits if self.pool.ref_count(b) == 1)
+            new_live = table.blocks_needed(n) + revived
+            if self.quota.excess(seq.request.salt, new_live, self.running, self.swapped) > 0:
+                table.free()
+                self.quota.refuse(seq.request.salt)
+                capped.append(self.waiting.popleft())
+                continue
             result = table.append_slots(n)
             self.waiting.popleft()
             seq.table = table
@@ -275,15 +310,16 @@ class BatchScheduler:
             out.copies.extend(result.copies)
             out.scheduled.append(ScheduledSeq(seq, n, result.slots))
             budget -= n
+        self.waiting.extendleft(reversed(capped))
 
     # -------------------------------------------------------------- preemption
 
-    def preempt(self, seq: Sequence) -> str:
+    def preempt(self, seq: Sequence, *, force_recompute: bool = False) -> str:
         """Preempt a running sequence; returns the mode used ("recompute" or "swap")."""
         assert seq.table is not None and seq.status is SequenceStatus.RUNNING
         self.running.remove(seq)
         num_bytes = len(seq.table.block_ids) * self.bytes_per_block
-        mode = self.config.preemption_mode
+        mode = "recompute" if force_recompute else self.config.preemption_mode
         if mode == "auto":
             mode = choose_mode(
                 seq.num_computed_tokens,
@@ -313,3 +349,18 @@ class BatchScheduler:
             self.waiting.appendleft(seq)
         self.preemptions[mode] += 1
         return mode
+
+
+def _candidates(seqs: list[Sequence]) -> list[VictimCandidate]:
+    """The running ones among `seqs`, as preemption candidates."""
+    return [
+        VictimCandidate(
+            request_id=s.seq_id,
+            priority=s.priority,
+            arrival_time=s.request.arrival_time,
+            admitted_seq=s.admitted_seq,
+            num_blocks=len(s.table.block_ids) if s.table is not None else 0,
+        )
+        for s in seqs
+        if s.status is SequenceStatus.RUNNING
+    ]

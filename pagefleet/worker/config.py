@@ -59,6 +59,9 @@ class EngineConfig:
     blocks into. `kv_offload_bytes` (0: off) sizes the offload tier: host
     memory that holds prefix blocks evicted from the pool until a later prompt
     hits them (it needs prefix caching). `seed` seeds requests that bring no seed of their own.
+    `tenant_max_live_blocks` caps the live blocks of a tenant, as
+    ``(salt, max_blocks)`` pairs keyed by the request's prefix-cache salt
+    (see `worker.tenant_quota`).
     """
 
     model: str | Path = "tiny"
@@ -77,6 +80,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     cpu_kv_memory_fraction: float = 0.1
+    tenant_max_live_blocks: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not is_valid_block_size(self.block_size):
@@ -108,6 +112,9 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for salt, cap in self.tenant_max_live_blocks:
+            if cap < 1:
+                raise ValueError(f"tenant_max_live_blocks for salt {salt!r} must be >= 1, got {cap}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

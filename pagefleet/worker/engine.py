@@ -111,6 +111,7 @@ class LLMEngine:
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
+        self._validate_tenant_cap(prompt_ids, params, salt)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -158,6 +159,19 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none")
+
+    def _validate_tenant_cap(
+        self, prompt_ids: list[int], params: SamplingParams, salt: str | None
+    ) -> None:
+        # A request its tenant's cap can never hold would wait forever: refuse it now.
+        cap = self.scheduler.quota.cap(salt)
+        bs = self.config.block_size
+        blocks = -(-(len(prompt_ids) + params.max_tokens - 1) // bs)
+        if cap is not None and blocks > cap:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
+                f"{blocks} KV blocks of {bs} tokens, but the tenant's max_live_blocks is {cap}"
+            )
 
     def _detokenizer(
         self, prompt_ids: list[int], params: SamplingParams
@@ -367,6 +381,10 @@ class LLMEngine:
             if seq.table is not None:
                 held.setdefault(seq.request.salt or "", set()).update(seq.table.block_ids)
         return {salt: len(blocks) for salt, blocks in held.items()}
+
+    def tenant_cap_refusals(self) -> dict[str, int]:
+        """Per salt: admissions deferred and sequences preempted because of the tenant's cap."""
+        return dict(self.scheduler.quota.refusals)
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache events since the last drain: ("stored" | "removed", block hash)

@@ -89,6 +89,8 @@ class LoadReport:
     num_running: int = 0
     num_waiting: int = 0
     tenant_live_blocks: Mapping[str, int] = field(default_factory=dict)
+    # Cumulative per salt: waits and preemptions caused by a tenant's max_live_blocks.
+    tenant_cap_refusals: Mapping[str, int] = field(default_factory=dict)
     preemptions: Mapping[str, int] = field(default_factory=dict)
     evictions: int = 0
     prefix_query_tokens: int = 0
@@ -138,6 +140,7 @@ class LoadReport:
                 "running": self.num_running,
                 "waiting": self.num_waiting,
                 "tenant_live": dict(self.tenant_live_blocks),
+                "tenant_cap_refusals": dict(self.tenant_cap_refusals),
                 "preemptions": dict(self.preemptions),
                 "evictions": self.evictions,
                 "prefix_query_tokens": self.prefix_query_tokens,
@@ -168,6 +171,10 @@ class LoadReport:
             num_running=_get(obj, "running", int),
             num_waiting=_get(obj, "waiting", int),
             tenant_live_blocks=_count_map(obj, "tenant_live"),
+            # optional: absent in reports from senders that predate it
+            tenant_cap_refusals=_count_map(obj, "tenant_cap_refusals")
+            if "tenant_cap_refusals" in obj
+            else {},
             preemptions=_count_map(obj, "preemptions"),
             evictions=_get(obj, "evictions", int),
             prefix_query_tokens=_get(obj, "prefix_query_tokens", int),
@@ -186,6 +193,7 @@ class LoadReport:
         stats: Mapping[str, Any],
         *,
         tenant_live_blocks: Mapping[str, int] | None = None,
+        tenant_cap_refusals: Mapping[str, int] | None = None,
         timestamp: float | None = None,
         incarnation: str = "",
     ) -> LoadReport:
@@ -229,6 +237,7 @@ class LoadReport:
             num_running=pick("num_running", "running"),
             num_waiting=pick("num_waiting", "waiting"),
             tenant_live_blocks=dict(tenant_live_blocks or stats.get("tenant_live_blocks") or {}),
+            tenant_cap_refusals=dict(tenant_cap_refusals or {}),
             preemptions=preemptions,
             evictions=pick("evictions"),
             prefix_query_tokens=pick("prefix_query_tokens"),
