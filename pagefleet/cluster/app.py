@@ -261,3 +261,15 @@ def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tupl
             )
             workers[pool.name].append((worker_id, handle))
     return workers
+
+
+def build(args: dict[str, Any]) -> Any:
+    """Serve application builder: `serve run` / `serve deploy` of `manifests/serve.yaml`.
+
+    `args` are the Serve config's application `args`: `config` (a cluster config
+    mapping or a YAML path), `metrics_port` (default 9400, null disables) and
+    `ready_timeout_s`. See `pagefleet.cluster.serve_app`.
+    """
+    from pagefleet.cluster.serve_app import build_application
+
+    return build_application(args)
