@@ -47,8 +47,9 @@ def test_builder_args_refuse_a_bad_metrics_port() -> None:
 def test_builder_reads_a_config_file(tmp_path: Path) -> None:
     path = tmp_path / "pagefleet.yaml"
     path.write_text("pools:\n  - {name: chat, workers: 3}\n")
-    config, metrics_port, _ = parse_args({"config": str(path), "metrics_port": None})
-    assert [(p.name, p.workers) for p in config.pools] == [("chat", 3)] and metrics_port is None
+    parsed = parse_args({"config": str(path), "metrics_port": None})
+    assert [(p.name, p.workers) for p in parsed.config.pools] == [("chat", 3)]
+    assert parsed.metrics_port is None
 
 
 def _serve_config(tmp_path: Path, ports: dict[str, int]) -> Path:

@@ -28,6 +28,7 @@ It starts what `pagefleet serve` starts, with the ports of the config's
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from pagefleet.cluster.config import ClusterConfig, ConfigError
 WORKERS_NAME = "pagefleet-workers"
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_READY_TIMEOUT_S = 600.0
-_ARGS = ("config", "metrics_port", "ready_timeout_s")
+_ARGS = ("config", "metrics_port", "ready_timeout_s", "ingress_resource")
 
 
 class WorkerOwner:
@@ -93,8 +94,20 @@ class ServeIngress(IngressDeployment):
         await self.wait_ready(ready_timeout_s)
 
 
-def parse_args(args: Mapping[str, Any]) -> tuple[ClusterConfig, int | None, float]:
-    """(config, metrics port, ready timeout) from the builder's args; ValueError names the bad one."""
+@dataclass(frozen=True)
+class BuildArgs:
+    """The builder's `args`, validated."""
+
+    config: ClusterConfig
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    # A custom Ray resource of the nodes that may run the ingress (KubeRay: its own
+    # worker group, whose pods can then be probed for readiness); None: the head node.
+    ingress_resource: str | None = None
+
+
+def parse_args(args: Mapping[str, Any]) -> BuildArgs:
+    """`BuildArgs` from the builder's args; ValueError names the bad one."""
     if not isinstance(args, Mapping):
         raise ValueError(f"pagefleet args must be a mapping, got {type(args).__name__}")
     for key in args:
@@ -120,23 +133,33 @@ def parse_args(args: Mapping[str, Any]) -> tuple[ClusterConfig, int | None, floa
     timeout = args.get("ready_timeout_s", DEFAULT_READY_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"pagefleet args.ready_timeout_s: must be a number > 0, got {timeout!r}")
-    return config, metrics_port, float(timeout)
+    resource = args.get("ingress_resource")
+    if resource is not None and (not isinstance(resource, str) or not resource):
+        raise ValueError(f"pagefleet args.ingress_resource: must be a resource name, got {resource!r}")
+    return BuildArgs(config, metrics_port, float(timeout), resource)
 
 
 def build_application(args: Mapping[str, Any]) -> Application:
     """The Serve application of a pagefleet cluster (see the module docstring)."""
-    config, metrics_port, ready_timeout_s = parse_args(args)
-    # Both on the head node, like `pagefleet serve`: clients dial the head, and losing
-    # a worker node must never take the ingress (or the workers' owner) with it.
+    parsed = parse_args(args)
+    # On the head node, like `pagefleet serve`: clients dial the head, and losing a
+    # GPU node must never take the ingress or the workers' owner with it.
     on_head = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    on_ingress_node = on_head
+    if parsed.ingress_resource is not None:
+        on_ingress_node = {"num_cpus": 0, "resources": {parsed.ingress_resource: 0.001}}
     owner = serve.deployment(name=WORKERS_NAME, num_replicas=1, ray_actor_options=on_head)(
         WorkerOwner
     )
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=1,
-        ray_actor_options=on_head,
+        # Its ports are fixed: two replicas on one node would collide.
+        max_replicas_per_node=1,
+        ray_actor_options=on_ingress_node,
         # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.
         max_ongoing_requests=1000,
     )(ServeIngress)
-    return ingress.bind(config, owner.bind(config), metrics_port, ready_timeout_s)
+    return ingress.bind(
+        parsed.config, owner.bind(parsed.config), parsed.metrics_port, parsed.ready_timeout_s
+    )
