@@ -140,6 +140,12 @@ class RunningCluster:
 
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
+        if self.started_ray:
+            # Ray stops every actor with it. Shutting Serve down first only makes the
+            # killed controller's pending calls log "ServeController.graceful_shutdown
+            # failed ... infinite retries remaining" on every clean exit.
+            ray.shutdown()
+            return
         try:
             serve.shutdown()
         except Exception:  # shutting down anyway
@@ -212,6 +218,9 @@ def start_cluster(
         # Request streams are not Serve requests (they arrive over our own gRPC
         # server), so Serve's own concurrency limits do not apply to them.
         max_ongoing_requests=1000,
+        # Our own servers carry the requests; Serve's access log would list only
+        # the control calls (wait_ready, endpoints).
+        logging_config={"enable_access_log": False},
     )(IngressDeployment)
     port = config.server.grpc_port if grpc_port is None else grpc_port
     if http_port is None:

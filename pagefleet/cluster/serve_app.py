@@ -148,15 +148,17 @@ def build_application(args: Mapping[str, Any]) -> Application:
     on_ingress_node = on_head
     if parsed.ingress_resource is not None:
         on_ingress_node = {"num_cpus": 0, "resources": {parsed.ingress_resource: 0.001}}
-    owner = serve.deployment(name=WORKERS_NAME, num_replicas=1, ray_actor_options=on_head)(
-        WorkerOwner
-    )
+    quiet = {"enable_access_log": False}  # only control calls pass through Serve
+    owner = serve.deployment(
+        name=WORKERS_NAME, num_replicas=1, ray_actor_options=on_head, logging_config=quiet
+    )(WorkerOwner)
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=1,
         # Its ports are fixed: two replicas on one node would collide.
         max_replicas_per_node=1,
         ray_actor_options=on_ingress_node,
+        logging_config=quiet,
         # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.
         max_ongoing_requests=1000,
     )(ServeIngress)
