@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import yaml
 from cluster_fixtures import generate, status, wait_for
@@ -119,3 +122,55 @@ def test_serve_run_starts_every_worker_of_the_config(served: dict[str, Any]) -> 
     # A busy machine may answer a poll late for a moment; both must be in routing soon.
     wait_for(lambda: status(served["target"]).pools[0].live_workers == 2, 60, "both workers live")
 
+
+
+# ----- /dashboard, on the same cluster -----------------------------------------------------
+
+
+def chromium_dom(url: str) -> str:
+    """The page's DOM after its scripts ran, from a real headless Chromium."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.fail("the dashboard test needs Chromium: apt-get install -y chromium")
+    result = subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--virtual-time-budget=4000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return result.stdout
+
+
+def _routed(dom: str) -> dict[str, int]:
+    """worker id -> its 'routed N' counter, as the rendered page shows it."""
+    found = re.findall(r'data-worker="([^"]+)".*?routed (\d+)', dom, flags=re.S)
+    return {worker: int(n) for worker, n in found}
+
+
+@pytest.mark.cluster
+def test_dashboard_state_has_every_worker_with_its_block_map_counts(served: dict[str, Any]) -> None:
+    state = httpx.get(served["http"] + "/dashboard/state", timeout=30).json()
+    grpc_workers = {w.worker_id for p in status(served["target"]).pools for w in p.workers}
+    workers = [w for p in state["pools"] for w in p["workers"]]
+    assert {w["worker_id"] for w in workers} == grpc_workers
+    for w in workers:
+        assert w["free_blocks"] + w["live_blocks"] + w["cached_blocks"] == w["total_blocks"]
+        assert {"tenant_live_blocks", "preemptions", "evictions"} <= w.keys()
+
+
+@pytest.mark.cluster
+def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(served: dict[str, Any]) -> None:
+    url = served["http"] + "/dashboard"
+    before = _routed(chromium_dom(url))
+    grpc_workers = {w.worker_id for p in status(served["target"]).pools for w in p.workers}
+    assert set(before) == grpc_workers
+    for i in range(4):
+        generate(served["target"], f"dashboard traffic {i}", max_tokens=2, temperature=0.0)
+    wait_for(
+        lambda: sum(w.requests_routed for w in status(served["target"]).pools[0].workers)
+        >= sum(before.values()) + 4,
+        30,
+        "the requests to be counted",
+    )
+    after = _routed(chromium_dom(url))
+    assert set(after) == grpc_workers
+    assert sum(after.values()) >= sum(before.values()) + 4
