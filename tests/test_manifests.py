@@ -169,3 +169,45 @@ def test_rayservice_service_selects_the_ingress_pods_on_the_configured_ports() -
     server = serve_config_v2()["applications"][0]["args"]["config"]["server"]
     ports = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
     assert ports["grpc"] == server["grpc_port"] and ports["http"] == server["http_port"]
+
+
+# ----- Grafana ---------------------------------------------------------------------------
+
+PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "by", "without", "rate", "increase", "histogram_quantile",
+    "le", "pool", "worker", "mode",
+}  # fmt: skip
+
+
+def _exported_metric_names() -> set[str]:
+    from pagefleet.cluster.metrics import IngressMetrics
+
+    metrics = IngressMetrics()
+    metrics.track_wait_queue(lambda: {"default": 0})
+    names: set[str] = set()
+    for family in metrics.registry.collect():
+        names.add(family.name)
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+    return names
+
+
+def test_grafana_dashboard_queries_only_metrics_the_ingress_exports() -> None:
+    import re
+
+    dashboard = json.loads((MANIFESTS / "grafana-dashboard.json").read_text())
+    exported = _exported_metric_names()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    for expr in exprs:
+        bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)  # label matchers, ranges
+        names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare)) - PROMQL_WORDS
+        assert names and names <= exported, f"{expr}: unknown {sorted(names - exported)}"
+
+
+def test_grafana_dashboard_covers_blocks_hit_rate_queues_preemptions_and_latency() -> None:
+    text = (MANIFESTS / "grafana-dashboard.json").read_text()
+    for metric in ("kv_blocks_live", "kv_blocks_cached", "kv_blocks_free", "prefix_cache_hits_total",
+                   "num_waiting", "ingress_waiting_requests", "preemptions_total", "evictions_total",
+                   "time_to_first_token_seconds_bucket", "worker_alive"):  # fmt: skip
+        assert metric in text
