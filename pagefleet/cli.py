@@ -91,7 +91,12 @@ def quiet_when_not_a_terminal() -> None:
 def quiet_ray_driver_logs() -> None:
     """Hide Serve's driver-side chatter that reads like a problem on a fresh start
     ("Connecting to existing Serve app"); warnings and errors still show."""
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    # A filter, not a level: Serve resets its logger's level when it starts.
+    logging.getLogger("ray.serve").addFilter(_warnings_and_above)
+
+
+def _warnings_and_above(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,11 +99,15 @@ PAGE = """<!doctype html>
 <script>
 const FREE = "#e8e8e8", CACHED = "#8fb3d9";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
+// Tenant colours: a stable FNV-1a hash of the name into a palette that avoids
+// the cached blue and the free grey.
+const PALETTE = ["#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#111111"];
 function tenantColor(name) {
-  let h = 0;
-  for (const c of name) h = (h * 31 + c.charCodeAt(0)) >>> 0;
-  return `hsl(${h % 360}, 70%, 45%)`;
+  let h = 2166136261;
+  for (const c of name) h = Math.imul(h ^ c.charCodeAt(0), 16777619) >>> 0;
+  return PALETTE[h % PALETTE.length];
 }
+function tenantLabel(name) { return name.replace(/^tenant:/, ""); }
 function pct(x) { return (100 * x).toFixed(1) + "%"; }
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
@@ -163,7 +167,7 @@ function render(state) {
   }
   const legend = document.getElementById("legend");
   legend.replaceChildren();
-  const items = [...[...seen].sort().map(t => [t + " (live)", tenantColor(t)]),
+  const items = [...[...seen].sort().map(t => [tenantLabel(t) + " (live)", tenantColor(t)]),
                  ["cached", CACHED], ["free", FREE]];
   for (const [label, color] of items) {
     const s = el("span");
