@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+from typing import Any
+
+from pagefleet import __version__
 
 # Subcommand name -> module under pagefleet.commands. Each module defines
 # `register(subparsers) -> argparse.ArgumentParser` and sets `func` on its parser;
@@ -23,12 +28,36 @@ class CommandError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, [], "", argparse.SUPPRESS)
+            or action.option_strings == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults (used for every subcommand)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pagefleet",
         description="Serve LLMs from a Ray cluster with a paged KV cache.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"pagefleet {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, module in COMMANDS.items():
         if wanted is not None and wanted != name:
@@ -45,9 +74,36 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_when_not_a_terminal() -> None:
+    """Plain logs when stderr is not a terminal: no ANSI colours, no progress bars.
+
+    Set in the environment, so that the Ray processes this command starts (whose
+    logs Ray forwards to this stderr) inherit it.
+    """
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's coloured "(pid=...)" prefixes
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("NO_COLOR", "1")
+
+
+def quiet_ray_driver_logs() -> None:
+    """Hide Serve's driver-side chatter that reads like a problem on a fresh start
+    ("Connecting to existing Serve app"); warnings and errors still show."""
+    # A filter, not a level: Serve resets its logger's level when it starts.
+    logging.getLogger("ray.serve").addFilter(_warnings_and_above)
+
+
+def _warnings_and_above(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pagefleet` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_when_not_a_terminal()
+    quiet_ray_driver_logs()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -39,3 +39,41 @@ def test_invalid_config_is_a_one_line_user_error_naming_the_field(tmp_path: Path
 def test_status_against_nothing_exits_2_with_the_grpc_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--target", "127.0.0.1:1", "--timeout", "2"]) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/nonexistent/model"], "pools[0] (default): model '/nonexistent/model'"),
+        (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]"),
+        (["--grpc-port", "70000"], "--grpc-port must be in [0, 65535]"),
+    ],
+)
+def test_serve_refuses_bad_input_before_ray_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ray
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagefleet serve: error:") and message in err and "\n" not in err
+    assert not ray.is_initialized()
+
+
+def test_serve_refuses_a_checkpoint_without_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "has no weights" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_cuda_pool_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal needs a CPU-only torch")
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools:\n  - {name: gpu, device: cuda}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "pools[0] (gpu): device 'cuda'" in capsys.readouterr().err

@@ -140,6 +140,12 @@ class RunningCluster:
 
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
+        if self.started_ray:
+            # Ray stops every actor with it. Shutting Serve down first only makes the
+            # killed controller's pending calls log "ServeController.graceful_shutdown
+            # failed ... infinite retries remaining" on every clean exit.
+            ray.shutdown()
+            return
         try:
             serve.shutdown()
         except Exception:  # shutting down anyway
@@ -212,6 +218,9 @@ def start_cluster(
         # Request streams are not Serve requests (they arrive over our own gRPC
         # server), so Serve's own concurrency limits do not apply to them.
         max_ongoing_requests=1000,
+        # Our own servers carry the requests; Serve's access log would list only
+        # the control calls (wait_ready, endpoints).
+        logging_config={"enable_access_log": False},
     )(IngressDeployment)
     port = config.server.grpc_port if grpc_port is None else grpc_port
     if http_port is None:
@@ -264,3 +273,15 @@ def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tupl
             )
             workers[pool.name].append((worker_id, handle))
     return workers
+
+
+def build(args: dict[str, Any]) -> Any:
+    """Serve application builder: `serve run` / `serve deploy` of `manifests/serve.yaml`.
+
+    `args` are the Serve config's application `args`: `config` (a cluster config
+    mapping or a YAML path), `metrics_port` (default 9400, null disables) and
+    `ready_timeout_s`. See `pagefleet.cluster.serve_app`.
+    """
+    from pagefleet.cluster.serve_app import build_application
+
+    return build_application(args)

@@ -673,6 +673,10 @@ class Ingress:
         """Live workers per pool: the health rule (healthy while none is 0) of both fronts."""
         return {name: sum(slot.alive for slot in slots) for name, slots in self._pools.items()}
 
+    def worker_reports(self) -> dict[str, LoadReport | None]:
+        """Each worker's latest load report by worker id (None before its first one)."""
+        return {slot.worker_id: slot.report for slots in self._pools.values() for slot in slots}
+
     def status(self, pool: str | None = None) -> list[dict[str, Any]]:
         """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts)."""
         pools = [self._pool_config(pool)] if pool else list(self.config.pools)

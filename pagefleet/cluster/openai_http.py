@@ -37,6 +37,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
+from pagefleet.cluster.dashboard import dashboard_routes
 from pagefleet.cluster.grpc_server import DEFAULT_MAX_TOKENS, api_key_from_metadata
 from pagefleet.cluster.ingress import (
     ErrorCode,
@@ -480,6 +481,7 @@ def build_app(ingress: Ingress) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        *dashboard_routes(ingress),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -48,12 +48,16 @@ def run(args: argparse.Namespace) -> int:
     if args.name not in available:
         raise CommandError(f"unknown benchmark {args.name!r}; available: {', '.join(available)}")
     script = directory / f"{args.name}.py"
-    old_argv = sys.argv
+    old_argv, old_path = sys.argv, list(sys.path)
     sys.argv = [str(script), *args.args]
+    # As `python benchmarks/NAME.py` would: the script's folder first on the path, so
+    # its shared helpers (`_engine_bench`, sibling scripts) import.
+    sys.path.insert(0, str(directory))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     finally:
         sys.argv = old_argv
+        sys.path[:] = old_path
     return 0

@@ -12,6 +12,8 @@ import sys
 from typing import Any
 
 from pagefleet.cli import CommandError
+from pagefleet.commands import preflight
+from pagefleet.commands.target import TARGET_HELP, describe_rpc_error, parse_target
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,16 +27,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF model dir")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--dtype", default="float32", help="offline: model dtype")
     parser.add_argument("--device", default="cpu", help="offline: cpu or cuda[:N]")
-    parser.add_argument(
-        "--target", default=None, metavar="HOST:PORT", help="a pagefleet server's gRPC address"
-    )
+    parser.add_argument("--target", default=None, metavar="HOST:PORT", help=TARGET_HELP)
     parser.add_argument("--pool", default="", help="with --target: the pool to use")
     parser.add_argument(
         "--api-key",
@@ -73,6 +73,7 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
     from pagefleet.worker.engine import LLMEngine, RequestError
 
     hf_logging.disable_progress_bar()  # stdout/stderr carry the completion only
+    preflight.check_generate(args.model, args.device)
     try:
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
         engine = LLMEngine(config)
@@ -95,12 +96,16 @@ def _run_remote(args: argparse.Namespace, params: Any) -> int:
     import grpc
 
     try:
+        target = parse_target(args.target)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    try:
         for response in stream_generate(
-            args.target, args.prompt, params, pool=args.pool, api_key=args.api_key
+            target, args.prompt, params, pool=args.pool, api_key=args.api_key
         ):
             _write(response.text)
     except grpc.RpcError as exc:
-        raise CommandError(f"{args.target}: {exc.code().name}: {exc.details()}") from exc
+        raise CommandError(describe_rpc_error(target, exc)) from exc
     _write("\n")
     return 0
 

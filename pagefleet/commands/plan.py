@@ -90,7 +90,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise CommandError(f"{name}: {exc}") from exc
 
-    max_model_len = args.max_model_len or _config_value(config, "max_position_embeddings")
+    limit = _config_value(config, "max_position_embeddings")
+    if args.max_model_len and limit and args.max_model_len > int(limit):
+        raise CommandError(
+            f"--max-model-len {args.max_model_len} exceeds {name}'s limit of {int(limit)} "
+            "tokens (max_position_embeddings)"
+        )
+    max_model_len = args.max_model_len or limit
     if not max_model_len:
         raise CommandError(f"{name} has no max_position_embeddings; pass --max-model-len")
     max_model_len = int(max_model_len)

@@ -10,6 +10,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from pagefleet.commands import preflight
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -71,9 +73,10 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pagefleet.cli import CommandError
-    from pagefleet.cluster.app import start_cluster
 
     config = load_config(args)
+    preflight.check_serve(config, local=args.address is None, metrics_port=args.metrics_port)
+    from pagefleet.cluster.app import start_cluster  # imports Ray: only once the input is good
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         raise CommandError(f"--grpc-port must be in [0, 65535], got {args.grpc_port}")
     grpc_port = config.server.grpc_port if args.grpc_port is None else args.grpc_port

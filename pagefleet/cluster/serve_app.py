@@ -1,0 +1,167 @@
+"""The pagefleet cluster as a Ray Serve application, for `serve run` / `serve deploy` / KubeRay.
+
+`pagefleet.cluster.app:build` (which calls `build_application`) is the
+application builder named in `manifests/serve.yaml`; Serve calls it with the
+config file's `args`:
+
+```yaml
+applications:
+  - name: pagefleet
+    import_path: pagefleet.cluster.app:build
+    args:
+      config: {pools: [{name: default, model: tiny, workers: 2}]}   # or a YAML path
+      metrics_port: 9400                                           # null disables /metrics
+```
+
+It starts what `pagefleet serve` starts, with the ports of the config's
+`server` section, as two deployments of one application:
+
+- `pagefleet-workers` (one replica): starts the scheduler actor and the
+  worker actors (the same helpers as `start_cluster`) and owns them, so
+  `serve delete` / `serve shutdown` ends them with the application.
+- `pagefleet-ingress`: the same `IngressDeployment` as `pagefleet serve`
+  (gRPC, OpenAI HTTP, /metrics), given the workers' handles by the owner.
+  Its constructor returns once every worker has loaded its model, so Serve
+  reports the application RUNNING only when it can answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from pagefleet.cluster.app import (
+    HEAD_NODE_RESOURCE,
+    INGRESS_NAME,
+    IngressDeployment,
+    _start_workers,
+)
+from pagefleet.cluster.config import ClusterConfig, ConfigError
+
+WORKERS_NAME = "pagefleet-workers"
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_READY_TIMEOUT_S = 600.0
+_ARGS = ("config", "metrics_port", "ready_timeout_s", "ingress_resource")
+
+
+class WorkerOwner:
+    """Serve replica that starts the scheduler and the workers, and owns them.
+
+    Ray ends actors with their owner: deleting the application (which stops
+    this replica) stops the workers and the scheduler too.
+    """
+
+    def __init__(self, config: ClusterConfig) -> None:
+        from pagefleet.scheduler.actor import start_scheduler
+
+        namespace = ray.get_runtime_context().namespace
+        self.scheduler = start_scheduler(
+            namespace=namespace,
+            report_timeout_s=config.scheduler.report_timeout_s,
+            eviction=config.scheduler.eviction_watermarks(),
+        )
+        self.workers = _start_workers(config, namespace)
+
+    def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
+        """`{pool: [(worker_id, actor handle), ...]}`."""
+        return self.workers
+
+
+class ServeIngress(IngressDeployment):
+    """`IngressDeployment` whose workers come from the `WorkerOwner` deployment."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        config: ClusterConfig,
+        owner: Any,
+        metrics_port: int | None,
+        ready_timeout_s: float,
+    ) -> None:
+        workers = await owner.get_workers.remote()
+        await super().__init__(
+            config,
+            workers,
+            config.server.grpc_port,
+            metrics_port,
+            http_port=config.server.http_port,
+        )
+        await self.wait_ready(ready_timeout_s)
+
+
+@dataclass(frozen=True)
+class BuildArgs:
+    """The builder's `args`, validated."""
+
+    config: ClusterConfig
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    # A custom Ray resource of the nodes that may run the ingress (KubeRay: its own
+    # worker group, whose pods can then be probed for readiness); None: the head node.
+    ingress_resource: str | None = None
+
+
+def parse_args(args: Mapping[str, Any]) -> BuildArgs:
+    """`BuildArgs` from the builder's args; ValueError names the bad one."""
+    if not isinstance(args, Mapping):
+        raise ValueError(f"pagefleet args must be a mapping, got {type(args).__name__}")
+    for key in args:
+        if key not in _ARGS:
+            raise ValueError(f"pagefleet args.{key}: unknown argument (known: {', '.join(_ARGS)})")
+    raw = args.get("config")
+    try:
+        if isinstance(raw, Mapping):
+            config = ClusterConfig.from_dict(raw)
+        elif isinstance(raw, str):
+            config = ClusterConfig.from_yaml(Path(raw).expanduser())
+        elif raw is None:
+            config = ClusterConfig.default()
+        else:
+            raise ConfigError(f"must be a mapping or a YAML file path, got {type(raw).__name__}")
+    except ConfigError as exc:
+        raise ValueError(f"pagefleet args.config: {exc}") from exc
+    metrics_port = args.get("metrics_port", DEFAULT_METRICS_PORT)
+    if metrics_port is not None and (
+        isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535
+    ):
+        raise ValueError(f"pagefleet args.metrics_port: must be in [0, 65535] or null, got {metrics_port!r}")
+    timeout = args.get("ready_timeout_s", DEFAULT_READY_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"pagefleet args.ready_timeout_s: must be a number > 0, got {timeout!r}")
+    resource = args.get("ingress_resource")
+    if resource is not None and (not isinstance(resource, str) or not resource):
+        raise ValueError(f"pagefleet args.ingress_resource: must be a resource name, got {resource!r}")
+    return BuildArgs(config, metrics_port, float(timeout), resource)
+
+
+def build_application(args: Mapping[str, Any]) -> Application:
+    """The Serve application of a pagefleet cluster (see the module docstring)."""
+    parsed = parse_args(args)
+    # On the head node, like `pagefleet serve`: clients dial the head, and losing a
+    # GPU node must never take the ingress or the workers' owner with it.
+    on_head = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    on_ingress_node = on_head
+    if parsed.ingress_resource is not None:
+        on_ingress_node = {"num_cpus": 0, "resources": {parsed.ingress_resource: 0.001}}
+    quiet = {"enable_access_log": False}  # only control calls pass through Serve
+    owner = serve.deployment(
+        name=WORKERS_NAME, num_replicas=1, ray_actor_options=on_head, logging_config=quiet
+    )(WorkerOwner)
+    ingress = serve.deployment(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        # Its ports are fixed: two replicas on one node would collide.
+        max_replicas_per_node=1,
+        ray_actor_options=on_ingress_node,
+        logging_config=quiet,
+        # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.
+        max_ongoing_requests=1000,
+    )(ServeIngress)
+    return ingress.bind(
+        parsed.config, owner.bind(parsed.config), parsed.metrics_port, parsed.ready_timeout_s
+    )

@@ -1,0 +1,99 @@
+"""Checks the CLI runs before it starts anything heavy (Ray, a model load).
+
+A bad model path, a checkpoint without weights, a device this torch cannot use
+or a port out of range is one `pagefleet <cmd>: error: ...` line and exit 2,
+within a second or two, instead of worker tracebacks after Ray has started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pagefleet.cli import CommandError
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def model_problem(model: str) -> str | None:
+    """Why `model` cannot be loaded, judged from its files alone; None when it looks loadable."""
+    if str(model) == "tiny":
+        return None
+    path = Path(model).expanduser()
+    if not path.exists():
+        if "/" in str(model) or str(model).startswith((".", "~")):
+            return (
+                f"model {model!r}: no such file or directory (expected 'tiny', a checkpoint "
+                "directory or a .gguf file; nothing is downloaded)"
+            )
+        from pagefleet.worker.model_runner import resolve_model_path
+
+        try:  # the engine's own resolver: it may know names that are not paths
+            resolve_model_path(model)
+        except (FileNotFoundError, ValueError) as exc:
+            return str(exc)
+        return None
+    if path.is_file():
+        return None if path.suffix == ".gguf" else (
+            f"model {model!r} is a file; expected 'tiny', a checkpoint directory or a .gguf file"
+        )
+    config = path / "config.json"
+    if not config.is_file():
+        return f"model directory {model!r} has no config.json"
+    try:
+        data = json.loads(config.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"cannot read {config}: {exc}"
+    if not isinstance(data, dict):
+        return f"{config} does not hold a JSON object"
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return f"model directory {model!r} has no weights (*.safetensors or pytorch_model*.bin)"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why this process's torch cannot use `device` (cpu, cuda, cuda:N); None when it can."""
+    if device == "cpu":
+        return None
+    name, _, index = device.partition(":")
+    if name != "cuda" or (index and not index.isdigit()):
+        return f"device {device!r}: expected cpu, cuda or cuda:N"
+    import torch
+
+    if torch.version.cuda is None:
+        return f"device {device!r}: this torch ({torch.__version__}) is a CPU-only build"
+    count = torch.cuda.device_count()
+    if count == 0:
+        return f"device {device!r}: torch sees no GPU (check the driver and CUDA_VISIBLE_DEVICES)"
+    if index and int(index) >= count:
+        return f"device {device!r}: only {count} GPU(s) visible (cuda:0 to cuda:{count - 1})"
+    return None
+
+
+def check_generate(model: str, device: str) -> None:
+    """`pagefleet generate` offline: the model's files and the device, before loading."""
+    problem = model_problem(model)
+    if problem is not None:
+        raise CommandError(f"bad model: {problem}")
+    problem = device_problem(device)
+    if problem is not None:
+        raise CommandError(problem)
+
+
+def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
+    """`pagefleet serve`: every pool's model and device, and the metrics port, before Ray starts.
+
+    On a remote cluster (`local=False`) the models and GPUs are the nodes', not
+    this machine's, so only what does not depend on the machine is checked.
+    """
+    if metrics_port is not None and not -1 <= metrics_port <= 65535:
+        raise CommandError(f"--metrics-port must be in [0, 65535] or -1 (disabled), got {metrics_port}")
+    if not local:
+        return
+    for i, pool in enumerate(config.pools):
+        problem = model_problem(pool.model)
+        if problem is None and pool.device == "cuda":
+            problem = device_problem("cuda")
+        if problem is not None:
+            raise CommandError(f"pools[{i}] ({pool.name}): {problem}")

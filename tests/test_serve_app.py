@@ -1,0 +1,176 @@
+"""`serve run manifests/serve.yaml`: the Serve application builder starts a serving cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import yaml
+from cluster_fixtures import generate, status, wait_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagefleet.cluster.serve_app import parse_args
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_YAML = REPO / "manifests" / "serve.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_builder_args_name_an_unknown_argument() -> None:
+    with pytest.raises(ValueError, match=r"args\.port: unknown argument"):
+        parse_args({"port": 1})
+
+
+def test_builder_args_name_the_bad_config_field() -> None:
+    with pytest.raises(ValueError, match=r"args\.config: pools\[0\]\.workers: must be >= 1"):
+        parse_args({"config": {"pools": [{"name": "a", "workers": 0}]}})
+
+
+def test_builder_args_refuse_a_bad_metrics_port() -> None:
+    with pytest.raises(ValueError, match=r"metrics_port: must be in \[0, 65535\]"):
+        parse_args({"config": {"pools": [{"name": "a"}]}, "metrics_port": 70000})
+
+
+def test_builder_reads_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "pagefleet.yaml"
+    path.write_text("pools:\n  - {name: chat, workers: 3}\n")
+    parsed = parse_args({"config": str(path), "metrics_port": None})
+    assert [(p.name, p.workers) for p in parsed.config.pools] == [("chat", 3)]
+    assert parsed.metrics_port is None
+
+
+def _serve_config(tmp_path: Path, ports: dict[str, int]) -> Path:
+    """manifests/serve.yaml with free ports and a small CPU pool."""
+    data: dict[str, Any] = yaml.safe_load(SERVE_YAML.read_text())
+    args = data["applications"][0]["args"]
+    args["metrics_port"] = ports["metrics"]
+    args["config"]["server"].update(host="127.0.0.1", grpc_port=ports["grpc"], http_port=ports["http"])
+    args["config"]["pools"][0].update(num_kv_blocks=64, max_model_len=128, device="cpu")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
+            )
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`serve run` of manifests/serve.yaml (free ports), as a user runs it; SIGINT at the end."""
+    tmp = tmp_path_factory.mktemp("serve")
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    log = (tmp / "serve.log").open("w+")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.serve.scripts", "run", str(_serve_config(tmp, ports))],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp,
+    )
+    target = f"127.0.0.1:{ports['grpc']}"
+    try:
+        wait_for(lambda: proc.poll() is not None or _serving(target), 300, "serve run to serve", 1.0)
+        assert proc.poll() is None, Path(log.name).read_text()[-4000:]
+        yield {"target": target, "http": f"http://127.0.0.1:{ports['http']}", "log": Path(log.name)}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.cluster
+def test_serve_run_of_the_manifest_answers_generate_over_grpc(served: dict[str, Any]) -> None:
+    messages = generate(served["target"], "Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert sum(len(m.token_ids) for m in messages) == 4
+    assert messages[-1].finish_reason == "length"
+
+
+@pytest.mark.cluster
+def test_serve_run_starts_every_worker_of_the_config(served: dict[str, Any]) -> None:
+    pool = status(served["target"]).pools[0]
+    assert pool.name == "default"
+    assert sorted(w.worker_id for w in pool.workers) == ["default-0", "default-1"]
+    # A busy machine may answer a poll late for a moment; both must be in routing soon.
+    wait_for(lambda: status(served["target"]).pools[0].live_workers == 2, 60, "both workers live")
+
+
+
+# ----- /dashboard, on the same cluster -----------------------------------------------------
+
+
+def chromium_dom(url: str) -> str:
+    """The page's DOM after its scripts ran, from a real headless Chromium."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.fail("the dashboard test needs Chromium: apt-get install -y chromium")
+    result = subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--virtual-time-budget=4000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return result.stdout
+
+
+def _routed(dom: str) -> dict[str, int]:
+    """worker id -> its 'routed N' counter, as the rendered page shows it."""
+    found = re.findall(r'data-worker="([^"]+)".*?routed (\d+)', dom, flags=re.S)
+    return {worker: int(n) for worker, n in found}
+
+
+@pytest.mark.cluster
+def test_dashboard_state_has_every_worker_with_its_block_map_counts(served: dict[str, Any]) -> None:
+    state = httpx.get(served["http"] + "/dashboard/state", timeout=30).json()
+    grpc_workers = {w.worker_id for p in status(served["target"]).pools for w in p.workers}
+    workers = [w for p in state["pools"] for w in p["workers"]]
+    assert {w["worker_id"] for w in workers} == grpc_workers
+    for w in workers:
+        assert w["free_blocks"] + w["live_blocks"] + w["cached_blocks"] == w["total_blocks"]
+        assert {"tenant_live_blocks", "preemptions", "evictions"} <= w.keys()
+
+
+@pytest.mark.cluster
+def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(served: dict[str, Any]) -> None:
+    url = served["http"] + "/dashboard"
+    before = _routed(chromium_dom(url))
+    grpc_workers = {w.worker_id for p in status(served["target"]).pools for w in p.workers}
+    assert set(before) == grpc_workers
+    for i in range(4):
+        generate(served["target"], f"dashboard traffic {i}", max_tokens=2, temperature=0.0)
+    wait_for(
+        lambda: sum(w.requests_routed for w in status(served["target"]).pools[0].workers)
+        >= sum(before.values()) + 4,
+        30,
+        "the requests to be counted",
+    )
+    after = _routed(chromium_dom(url))
+    assert set(after) == grpc_workers
+    assert sum(after.values()) >= sum(before.values()) + 4
