@@ -285,7 +285,8 @@ class Ingress:
                 try:
                     async for item in self._stream(state.slot, req, prompt, params):
                         if "error" in item:
-                            raise IngressError(ErrorCode.INVALID_ARGUMENT, item["error"])
+                            code = ErrorCode(item.get("code", "invalid_argument"))
+                            raise IngressError(code, item["error"])
                         if cached_tokens is None:
                             cached_tokens = item["cached_tokens"]
                         streamed.extend(item["token_ids"])
