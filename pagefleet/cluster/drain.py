@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 
 from pagefleet.cluster.ingress import (
     ErrorCode,
@@ -40,7 +40,13 @@ class Drain:
         self._next = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._on_start: list[Callable[[], Awaitable[None]]] = []
         self.draining = False
+
+    def on_start(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Await `callback()` as soon as draining starts (the gRPC health service goes
+        NOT_SERVING at once, not at its next refresh)."""
+        self._on_start.append(callback)
 
     @property
     def in_flight(self) -> int:
@@ -80,6 +86,8 @@ class Drain:
     async def wait(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for the running requests; abort the rest. Returns how many were aborted."""
         self.start()
+        for callback in self._on_start:
+            await callback()
         started = time.monotonic()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)

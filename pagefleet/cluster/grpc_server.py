@@ -294,6 +294,12 @@ async def start_grpc_server(
     if bound == 0:
         raise OSError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    drain.on_start(not_serving)
     task = asyncio.get_running_loop().create_task(
         _track_health(server, ingress, health_servicer, drain)
     )
