@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagefleet.cluster.app import RunningCluster, start_cluster
-from pagefleet.cluster.client import auth_metadata, build_request
+from pagefleet.cluster.client import auth_metadata, build_request, get_status, stream_generate
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
@@ -422,6 +422,7 @@ def test_an_idle_connection_is_closed(
         (b'{"prompt": {"a": 1}}', "prompt must be a string or a list of token ids"),
         (b'{"prompt": "hi", "max_tokens": "9"}', "max_tokens must be"),
         (b'{"prompt": "hi", "temperature": 1e999}', "temperature must be >= 0 and finite"),
+        (b'{"prompt": [1, 99999999999999999999]}', "outside [0, 2147483648)"),
     ],
 )
 def test_malformed_http_bodies_are_400_with_the_reason(http: httpx.Client, body: bytes, reason: str) -> None:
@@ -437,6 +438,16 @@ def test_undecodable_grpc_bytes_are_invalid_argument(channel: grpc.Channel) -> N
     err = _grpc_error(lambda: list(call(bad_utf8, timeout=30, metadata=auth_metadata(KEY_ACME))))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "UTF-8" in (err.details() or "")
+
+
+def test_the_python_client_speaks_tls_with_the_ca_file(
+    cluster: RunningCluster, cert: tuple[Path, Path], grpc_stub: pb_grpc.GenerationStub
+) -> None:
+    target = f"{TLS_NAME}:{cluster.grpc_port}"
+    ca = str(cert[0])
+    got = list(stream_generate(target, PROMPT, {"max_tokens": 6}, api_key=KEY_ACME, tls_ca=ca))
+    assert _tokens(got) == _tokens(_generate(grpc_stub, PROMPT, max_tokens=6))
+    assert [p.name for p in get_status(target, api_key=KEY_BETA, tls_ca=ca).pools] == ["default"]
 
 
 def test_a_plaintext_client_gets_no_answer_from_the_tls_server(cluster: RunningCluster) -> None:
@@ -508,7 +519,7 @@ _json = st.recursive(
     max_leaves=12,
 )
 _bodies = st.fixed_dictionaries(
-    {"prompt": st.text(max_size=80) | st.lists(st.integers(-5, 2000), max_size=8) | _json},
+    {"prompt": st.text(max_size=80) | st.lists(st.integers(-5, 2000) | st.integers(), max_size=8) | _json},
     optional={
         "model": st.sampled_from(["default", "other", "tiny", "zz"]) | _json,
         "max_tokens": st.integers(-3, 200) | _json,

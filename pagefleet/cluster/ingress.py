@@ -79,6 +79,8 @@ class IngressError(Exception):
         self.message = message
 
 
+# Token ids travel as int32 on gRPC; no vocabulary comes near it.
+MAX_TOKEN_ID = 2**31
 # A client's request_id is echoed in every message and kept while the request runs.
 MAX_REQUEST_ID_CHARS = 256
 # Text prompts up to this many characters are tokenized inline (well under a
@@ -138,6 +140,13 @@ class GenerationRequest:
             raise ValueError(
                 f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
             )
+        if not isinstance(prompt, str):
+            for pos, tok in enumerate(prompt):
+                # The engine checks the model's vocabulary; this bound keeps hashing safe first.
+                if not 0 <= tok < MAX_TOKEN_ID:
+                    raise ValueError(
+                        f"prompt token id {tok} at position {pos} is outside [0, {MAX_TOKEN_ID})"
+                    )
         return cls(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt),
