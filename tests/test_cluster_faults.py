@@ -119,7 +119,8 @@ def faults_config(cert_file: Path, key_file: Path) -> ClusterConfig:
             ],
             "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 32},
             "server": {
-                "host": "127.0.0.1",
+                # Public fronts; /metrics must still stay on localhost (metrics_host).
+                "host": "0.0.0.0",
                 "grpc_port": 0,
                 "http_port": 0,
                 "max_message_bytes": LIMIT_BYTES,
@@ -402,12 +403,11 @@ def test_a_body_that_never_arrives_is_408(cluster: RunningCluster, tls_context: 
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
 
 
-def test_an_idle_connection_is_closed(
+def test_a_connection_that_sends_nothing_is_closed(
     cluster: RunningCluster, tls_context: ssl.SSLContext
 ) -> None:
-    with _tls_socket(cluster, tls_context) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_until_closed(sock).startswith(b"HTTP/1.1 200")  # then closed
+    with _tls_socket(cluster, tls_context) as sock:  # handshake done, then silence
+        assert _read_until_closed(sock) == b""  # closed by the server, before our 30 s timeout
 
 
 # ----- finding 7: the right codes -------------------------------------------------------
