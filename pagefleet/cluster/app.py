@@ -109,6 +109,8 @@ class IngressDeployment:
 
     async def check_health(self) -> None:
         """Serve's health probe: the ingress is healthy while its gRPC (and HTTP) servers run."""
+        if self.drain.draining:
+            return  # stopped on purpose: a restart would open the ports again
         if self.server is None:
             raise RuntimeError("gRPC server stopped")
         if self.http is not None and not self.http.running:
