@@ -90,14 +90,17 @@ def test_unknown_api_key_is_unauthenticated() -> None:
         ingress.authenticate(None)
 
 
-def test_tenant_runs_in_its_own_pool_and_is_denied_another() -> None:
+def test_tenant_runs_in_its_own_pool_and_another_pool_answers_like_an_unknown_one() -> None:
     ingress = Ingress(_keyed_config(), {})
     bob = ingress.authenticate("k-bob")
     assert bob.cache_salt() == "bob-salt"
     assert ingress.tenant_pool(bob, "") == "b"
-    with pytest.raises(IngressError) as err:
+    with pytest.raises(IngressError) as other:
         ingress.tenant_pool(bob, "a")
-    assert err.value.code is ErrorCode.PERMISSION_DENIED
+    with pytest.raises(IngressError) as unknown:
+        ingress.tenant_pool(bob, "zz")
+    assert other.value.code is unknown.value.code is ErrorCode.NOT_FOUND
+    assert other.value.message.replace("'a'", "'zz'") == unknown.value.message
 
 
 def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:

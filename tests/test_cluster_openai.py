@@ -26,7 +26,7 @@ from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
 from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
-from pagefleet.cluster.ingress import IngressError
+from pagefleet.cluster.ingress import ErrorCode, IngressError
 from pagefleet.cluster.openai_http import chat_prompt, parse_request, resolve_pool
 from pagefleet.commands.serve import check_port_free, load_config
 
@@ -97,7 +97,10 @@ def test_parse_rejects_a_batch_of_two_prompts() -> None:
 def test_model_name_of_a_pool_resolves_to_the_tenants_pool() -> None:
     config = openai_cluster_config()
     assert resolve_pool(config, "tiny", config.tenant("globex")) == "other"
-    assert resolve_pool(config, "default", config.tenant("globex")) == "default"
+    with pytest.raises(IngressError) as other:  # another tenant's pool: as if it did not exist
+        resolve_pool(config, "default", config.tenant("globex"))
+    assert other.value.code is ErrorCode.NOT_FOUND
+    assert other.value.message == "model 'default' does not exist"
     assert resolve_pool(config, "", TenantConfig("x", "other")) == "other"
 
 
@@ -338,9 +341,10 @@ def test_unknown_api_key_is_401(http: httpx.Client) -> None:
     assert "unknown API key" in _error(r, 401)["message"]
 
 
-def test_another_tenants_pool_is_403(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"model": "other", "prompt": PROMPT})
-    assert "'other'" in _error(r, 403)["message"]
+def test_another_tenants_pool_is_404_like_an_unknown_model(http: httpx.Client) -> None:
+    other = http.post("/v1/completions", json={"model": "other", "prompt": PROMPT})
+    unknown = http.post("/v1/completions", json={"model": "nothere", "prompt": PROMPT})
+    assert _error(other, 404)["message"].replace("'other'", "'nothere'") == _error(unknown, 404)["message"]
 
 
 def test_grpc_status_and_abort_need_an_api_key_when_tenants_have_keys(

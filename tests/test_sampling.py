@@ -16,7 +16,14 @@ from pagefleet.worker.tiny_model import build_tiny_tokenizer
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+        ({"temperature": -0.1}, "temperature must be >= 0 and finite, got -0.1"),
+        ({"temperature": float("nan")}, "temperature must be >= 0 and finite, got nan"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite, got inf"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1], got nan"),
+        ({"seed": 2**64}, "seed must be a 64-bit integer"),
+        ({"stop": ("x",) * 17}, "at most 16 stop strings are allowed, got 17"),
+        ({"stop": ("x" * 257,)}, "stop strings must be at most 256 characters, got 257"),
+        ({"stop_token_ids": (1,) * 65}, "at most 64 stop_token_ids are allowed, got 65"),
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
@@ -33,6 +40,29 @@ def test_sampling_params_reject_bad_values_naming_the_limit(kwargs: dict, messag
 
 def test_sampling_params_accept_a_single_stop_string() -> None:
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-324, 9e-6])
+def test_temperature_below_the_epsilon_is_greedy(temperature: float) -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]
+
+
+def test_a_non_finite_row_gets_none_and_the_other_rows_their_tokens() -> None:
+    logits = torch.tensor(
+        [[0.0, 3.0, 1.0], [float("nan"), 0.0, 0.0], [0.0, float("inf"), 0.0], [4.0, 0.0, 0.0]]
+    )
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.5, top_k=1)]
+    gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    assert sample(logits, params, gens) == [1, None, None, 0]
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    row = torch.tensor([0.0, 5.0, 1.0])
+    probs = sampling_probs(row, SamplingParams(temperature=1.0, top_p=1e-300))
+    assert probs.tolist() == [0.0, 1.0, 0.0]
 
 
 def test_greedy_rows_take_the_first_argmax() -> None:

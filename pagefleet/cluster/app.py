@@ -26,6 +26,7 @@ import ray
 from ray import serve
 
 from pagefleet.cluster.config import ClusterConfig, PoolConfig
+from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
@@ -61,20 +62,23 @@ class IngressDeployment:
         self.metrics = IngressMetrics()
         self.ingress = Ingress(config, workers, poll_interval_s=poll_interval_s, metrics=self.metrics)
         self.ingress.start()
+        self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
-            self.ingress, config.server.host, grpc_port
+            self.ingress, config.server.host, grpc_port, drain=self.drain
         )
         self.http: HttpServer | None = None
         if http_port is not None:
             try:
-                self.http = await start_http_server(self.ingress, config.server.host, http_port)
+                self.http = await start_http_server(
+                    self.ingress, config.server.host, http_port, drain=self.drain
+                )
             except BaseException:
                 # Free the gRPC port before Serve retries the constructor.
                 await self.server.stop(grace=None)
                 await self.ingress.close()
                 raise
         self.metrics_port = (
-            None if metrics_port is None else self.metrics.serve(metrics_port, config.server.host)
+            None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
         )
 
     async def endpoints(self) -> dict[str, int | None]:
@@ -93,8 +97,20 @@ class IngressDeployment:
         """Switch the routing policy (prefix_affinity, round_robin, least_loaded, power_of_two)."""
         self.ingress.set_router_policy(policy)
 
+    async def drain_and_stop(self, timeout_s: float) -> int:
+        """Graceful shutdown: stop accepting (health NOT_SERVING, new requests UNAVAILABLE),
+        let running streams finish for up to `timeout_s` (then abort them), stop the servers.
+        Returns how many streams had to be aborted."""
+        aborted = await self.drain.wait(timeout_s)
+        if self.http is not None:
+            await self.http.stop(timeout_s=2.0)
+        await self.server.stop(grace=2.0)
+        return aborted
+
     async def check_health(self) -> None:
         """Serve's health probe: the ingress is healthy while its gRPC (and HTTP) servers run."""
+        if self.drain.draining:
+            return  # stopped on purpose: a restart would open the ports again
         if self.server is None:
             raise RuntimeError("gRPC server stopped")
         if self.http is not None and not self.http.running:
@@ -137,6 +153,13 @@ class RunningCluster:
                 if wid == worker_id:
                     return handle
         raise KeyError(worker_id)
+
+    def drain(self, timeout_s: float | None = None) -> int:
+        """Let running streams finish (up to `timeout_s`, default `server.drain_timeout_s`)
+        while refusing new ones, then stop the servers; call `shutdown()` after.
+        Returns how many streams were aborted at the timeout."""
+        timeout = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
+        return int(self.ingress.drain_and_stop.remote(timeout).result(timeout_s=timeout + 30))
 
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""

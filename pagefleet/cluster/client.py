@@ -6,7 +6,9 @@ needs only grpcio and protobuf (no torch, no Ray).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -75,6 +77,20 @@ def build_request(
     return req
 
 
+# A PEM CA file here makes every client call use TLS (for servers with server.tls_cert_file).
+TLS_CA_ENV = "PAGEFLEET_TLS_CA"
+
+
+def open_channel(target: str, tls_ca: str | None = None) -> grpc.Channel:
+    """A channel to `target`: TLS verified against the PEM CA file `tls_ca` (default
+    `$PAGEFLEET_TLS_CA`), plaintext when neither is set."""
+    ca = tls_ca if tls_ca is not None else os.environ.get(TLS_CA_ENV)
+    if not ca:
+        return grpc.insecure_channel(target)
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes())
+    return grpc.secure_channel(target, creds)
+
+
 def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
     """Call metadata carrying `api_key` as a bearer token (nothing when None)."""
     return [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -90,6 +106,7 @@ def stream_generate(
     priority: int = 0,
     timeout: float | None = None,
     api_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> Iterator[pb.GenerateResponse]:
     """Stream one generation from the server at `target` ("host:port").
 
@@ -98,9 +115,10 @@ def stream_generate(
     `.usage`. Closing the generator early cancels the call, which aborts the
     request on its worker. Raises `grpc.RpcError` on failure (`.code()` tells
     which: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, NOT_FOUND).
+    `tls_ca`: see `open_channel`.
     """
     request = build_request(prompt, params, request_id=request_id, pool=pool, priority=priority)
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls_ca) as channel:
         call = pb_grpc.GenerationStub(channel).Generate(
             request, timeout=timeout, metadata=auth_metadata(api_key)
         )
@@ -111,10 +129,14 @@ def stream_generate(
 
 
 def get_status(
-    target: str, pool: str = "", timeout: float | None = 10.0, api_key: str | None = None
+    target: str,
+    pool: str = "",
+    timeout: float | None = 10.0,
+    api_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> pb.StatusResponse:
-    """The server's per pool and per worker KV block counters."""
-    with grpc.insecure_channel(target) as channel:
+    """The server's per pool and per worker KV block counters (of the caller's pools)."""
+    with open_channel(target, tls_ca) as channel:
         stub = pb_grpc.GenerationStub(channel)
         return stub.GetStatus(
             pb.StatusRequest(pool=pool), timeout=timeout, metadata=auth_metadata(api_key)
@@ -122,10 +144,14 @@ def get_status(
 
 
 def abort(
-    target: str, request_id: str, timeout: float | None = 10.0, api_key: str | None = None
+    target: str,
+    request_id: str,
+    timeout: float | None = 10.0,
+    api_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> bool:
-    """Abort a running request by id; False when the server does not know it."""
-    with grpc.insecure_channel(target) as channel:
+    """Abort one of the caller's running requests by id; False when it has none of that id."""
+    with open_channel(target, tls_ca) as channel:
         stub = pb_grpc.GenerationStub(channel)
         reply = stub.Abort(
             pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=auth_metadata(api_key)

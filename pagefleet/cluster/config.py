@@ -233,19 +233,40 @@ class SchedulerConfig:
 
 
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where the ingress listens.
+    """Where the ingress listens, and the limits it enforces before doing any work.
 
     `grpc_port` serves `pagefleet.v1.Generation`; `http_port` the OpenAI HTTP
-    API (`null` disables it). Port 0 picks a free port.
+    API (`null` disables it). Port 0 picks a free port. `/metrics` listens on
+    `metrics_host` (localhost by default: it names every pool and worker).
+
+    Limits: `max_message_bytes` is gRPC's receive and send limit (a larger
+    message gets RESOURCE_EXHAUSTED), `max_body_bytes` the HTTP request body
+    limit (413). An HTTP connection must send its request headers within
+    `header_timeout_s` and its body within `body_timeout_s` (408), and is
+    closed after `idle_timeout_s` without a request.
+
+    `drain_timeout_s`: on SIGINT/SIGTERM the server stops accepting and lets
+    running streams finish for at most this long. `tls_cert_file` and
+    `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
     """
 
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     http_port: int | None = DEFAULT_HTTP_PORT
+    metrics_host: str = "127.0.0.1"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -254,6 +275,26 @@ class ServerConfig:
                 _fail(name, f"must be in [0, 65535], got {port}")
         if self.http_port and self.http_port == self.grpc_port:
             _fail("http_port", f"must differ from grpc_port, both are {self.grpc_port}")
+        for name in ("max_message_bytes", "max_body_bytes"):
+            # Below 1 KiB not even a small request fits; gRPC takes a signed 32-bit limit.
+            value = getattr(self, name)
+            if not 1024 <= value < 2**31:
+                _fail(name, f"must be in [1024, 2**31), got {value}")
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                _fail(name, f"must be > 0, got {getattr(self, name)}")
+        _at_least("drain_timeout_s", self.drain_timeout_s, 0)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            _fail("tls_key_file", "give both tls_cert_file and tls_key_file, or neither")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                _fail(name, f"no such file: {path}")
+
+    @property
+    def tls(self) -> bool:
+        """True when gRPC and HTTP serve TLS."""
+        return self.tls_cert_file is not None
 
 
 @dataclass(frozen=True)
@@ -336,7 +377,7 @@ class ClusterConfig:
             tenants=tenants,
             router=_build(RouterConfig, data.get("router") or {}, "router"),
             scheduler=_build(SchedulerConfig, data.get("scheduler") or {}, "scheduler"),
-            server=_build(ServerConfig, data.get("server") or {}, "server"),
+            server=_build(ServerConfig, _with_bytes(data.get("server") or {}, "server"), "server"),
         )
 
     @classmethod
@@ -398,6 +439,16 @@ class ClusterConfig:
             (t.cache_salt(), t.max_live_blocks) for t in self.tenants if t.max_live_blocks is not None
         )
 
+    def visible_pools(self, tenant: TenantConfig | None) -> list[str]:
+        """Pools a tenant may see and use: its own when keys are required, else all.
+
+        Every lookup (GetStatus, /v1/models, a request's pool) answers a pool outside
+        this list exactly like an unknown one.
+        """
+        if tenant is not None and self.auth_required:
+            return [tenant.pool]
+        return [p.name for p in self.pools]
+
     @property
     def auth_required(self) -> bool:
         """True when every tenant has an API key (requests without one are refused)."""
@@ -427,7 +478,9 @@ def _with_bytes(raw: Any, path: str) -> Any:
         if "kv_offload_bytes" in data:
             _fail(f"{path}.kv_offload", "give kv_offload or kv_offload_bytes, not both")
         data["kv_offload_bytes"] = data.pop("kv_offload")
-    for name in ("kv_memory_bytes", "swap_space_bytes", "kv_offload_bytes"):
+    for name in (
+        "kv_memory_bytes", "swap_space_bytes", "kv_offload_bytes", "max_message_bytes", "max_body_bytes"
+    ):
         if isinstance(data.get(name), str):
             try:
                 data[name] = parse_bytes(data[name])

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from pagefleet.cluster.config import TenantConfig
 from pagefleet.cluster.grpc_server import api_key_from_metadata
 from pagefleet.cluster.ingress import Ingress, IngressError
 from pagefleet.worker.events import LoadReport
@@ -33,15 +34,24 @@ from pagefleet.worker.events import LoadReport
 _AUTH_STATUS = {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
 
 
-def snapshot(ingress: Ingress) -> dict[str, Any]:
-    """Every pool and worker: GetStatus's counters plus tenant live blocks, preemptions, evictions."""
+def snapshot(ingress: Ingress, tenant: TenantConfig | None = None) -> dict[str, Any]:
+    """The pools `tenant` may see: GetStatus's counters plus tenant live blocks, preemptions, evictions.
+
+    Live blocks are labelled by tenant name, never by salt (a configured salt is
+    a secret). When keys are required, a caller sees its own tenant's blocks by
+    name and every other tenant's only as one "other tenants" sum.
+    """
     reports = ingress.worker_reports()
-    pools = ingress.status()
+    pools = ingress.status(tenant=tenant)
+    names = {t.cache_salt(): t.name for t in ingress.config.tenants}
+    own = tenant.name if tenant is not None and ingress.config.auth_required else None
     for pool in pools:
         preemptions = evictions = 0
         for worker in pool["workers"]:
             report: LoadReport | None = reports.get(worker["worker_id"])
-            worker["tenant_live_blocks"] = dict(report.tenant_live_blocks) if report else {}
+            worker["tenant_live_blocks"] = _label_tenants(
+                report.tenant_live_blocks if report else {}, names, own
+            )
             worker["preemptions"] = sum(report.preemptions.values()) if report else 0
             worker["evictions"] = report.evictions if report else 0
             preemptions += worker["preemptions"]
@@ -49,6 +59,18 @@ def snapshot(ingress: Ingress) -> dict[str, Any]:
         pool["preemptions"] = preemptions
         pool["evictions"] = evictions
     return {"time": time.time(), "pools": pools}
+
+
+def _label_tenants(
+    by_salt: dict[str, int], names: dict[str, str], own: str | None
+) -> dict[str, int]:
+    labelled: dict[str, int] = {}
+    for salt, blocks in by_salt.items():
+        name = names.get(salt, "other tenants")
+        if own is not None and name != own:
+            name = "other tenants"
+        labelled[name] = labelled.get(name, 0) + blocks
+    return labelled
 
 
 def dashboard_routes(ingress: Ingress) -> list[Route]:
@@ -59,11 +81,11 @@ def dashboard_routes(ingress: Ingress) -> list[Route]:
 
     async def state(request: Request) -> Response:
         try:
-            ingress.authenticate(api_key_from_metadata(request.headers.items()))
+            tenant = ingress.authenticate(api_key_from_metadata(request.headers.items()))
         except IngressError as exc:
             status = _AUTH_STATUS.get(exc.code.name, 400)
             return JSONResponse({"error": {"message": exc.message}}, status_code=status)
-        return JSONResponse(snapshot(ingress), headers={"cache-control": "no-store"})
+        return JSONResponse(snapshot(ingress, tenant), headers={"cache-control": "no-store"})
 
     return [
         Route("/dashboard", page, methods=["GET"]),
@@ -107,7 +129,6 @@ function tenantColor(name) {
   for (const c of name) h = Math.imul(h ^ c.charCodeAt(0), 16777619) >>> 0;
   return PALETTE[h % PALETTE.length];
 }
-function tenantLabel(name) { return name.replace(/^tenant:/, ""); }
 function pct(x) { return (100 * x).toFixed(1) + "%"; }
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
@@ -167,7 +188,7 @@ function render(state) {
   }
   const legend = document.getElementById("legend");
   legend.replaceChildren();
-  const items = [...[...seen].sort().map(t => [tenantLabel(t) + " (live)", tenantColor(t)]),
+  const items = [...[...seen].sort().map(t => [t + " (live)", tenantColor(t)]),
                  ["cached", CACHED], ["free", FREE]];
   for (const [label, color] of items) {
     const s = el("span");

@@ -8,14 +8,18 @@ Routing, fault handling and aborts live in `pagefleet.cluster.ingress`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.ingress import (
     ErrorCode,
     GenerationRequest,
@@ -25,6 +29,8 @@ from pagefleet.cluster.ingress import (
 )
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -46,7 +52,8 @@ HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
 def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """The client's API key: `x-api-key: KEY` or `authorization: Bearer KEY`."""
     for key, value in metadata or ():
-        text = value.decode() if isinstance(value, bytes) else str(value)
+        # Binary or non-UTF-8 header bytes are no key of ours (an unknown key, not a crash).
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
         if key == "x-api-key":
             return text
         if key == "authorization" and text.lower().startswith("bearer "):
@@ -55,7 +62,11 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | N
 
 
 def request_from_proto(
-    msg: pb.GenerateRequest, *, pool: str | None = None, salt: str | None = None, tenant: str = ""
+    msg: pb.GenerateRequest,
+    *,
+    pool: str | None = None,
+    salt: str | None = None,
+    tenant: str = "",
 ) -> GenerationRequest:
     """Validate a wire request; raises `IngressError(INVALID_ARGUMENT)` with the reason.
 
@@ -113,8 +124,9 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
 class GenerationServicer(pb_grpc.GenerationServicer):
     """gRPC front of one `Ingress`."""
 
-    def __init__(self, ingress: Ingress) -> None:
+    def __init__(self, ingress: Ingress, drain: Drain | None = None) -> None:
         self._ingress = ingress
+        self._drain = drain or Drain(ingress)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -125,44 +137,56 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             req = request_from_proto(
                 request, pool=pool, salt=tenant.cache_salt(), tenant=tenant.name
             )
-            async for delta in self._ingress.generate(req):
+            async for delta in self._drain.generate(req):
                 yield delta_to_proto(delta)
         except IngressError as exc:
             await context.abort(_STATUS_CODES[exc.code], exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: say so with INTERNAL, never a bare UNKNOWN
+            logger.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         try:
-            self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
         except IngressError as exc:
             await context.abort(_STATUS_CODES[exc.code], exc.message)
-        return pb.AbortResponse(found=await self._ingress.abort(request.request_id))
+        # Scoped to the caller: another tenant's request of this id is "not found".
+        return pb.AbortResponse(found=await self._ingress.abort(request.request_id, tenant.name))
 
     async def GetStatus(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         try:
-            self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
-            pools = self._ingress.status(request.pool or None)
+            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            pools = self._ingress.status(request.pool or None, tenant)
         except IngressError as exc:
             await context.abort(_STATUS_CODES[exc.code], exc.message)
         return json_format.ParseDict({"pools": pools}, pb.StatusResponse())
 
 
-def serving_status(ingress: Ingress) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
-    """SERVING while every pool has a live worker (as the HTTP /health says), else NOT_SERVING."""
-    ok = all(n > 0 for n in ingress.live_workers().values())
+def serving_status(
+    ingress: Ingress, drain: Drain | None = None
+) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    """SERVING while every pool has a live worker (as the HTTP /health says) and the server
+    is not draining, else NOT_SERVING."""
+    ok = all(n > 0 for n in ingress.live_workers().values()) and not (drain and drain.draining)
     return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def _track_health(
-    server: grpc.aio.Server, ingress: Ingress, health_servicer: health.aio.HealthServicer
+    server: grpc.aio.Server,
+    ingress: Ingress,
+    health_servicer: health.aio.HealthServicer,
+    drain: Drain,
 ) -> None:
     """Keep the health service's answer in step with worker liveness until the server stops."""
     last = None
     while True:
-        status = serving_status(ingress)
+        status = serving_status(ingress, drain)
         if status != last:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
@@ -175,24 +199,110 @@ async def _track_health(
 _health_tasks: set[asyncio.Task[None]] = set()
 
 
-async def start_grpc_server(ingress: Ingress, host: str = "0.0.0.0", port: int = 50051) -> tuple[grpc.aio.Server, int]:
+class _Undecodable:
+    """A request whose bytes are no valid message (corrupt wire format, invalid UTF-8)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    """A deserializer that hands a bad message to the method (INVALID_ARGUMENT there)
+    instead of failing inside gRPC, which would answer a bare UNKNOWN/INTERNAL."""
+
+    def parse(data: bytes) -> Message | _Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(f"request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
+
+    return parse
+
+
+def _checked(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(request, context)
+
+    return call
+
+
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Register the Generation service (as the generated `add_GenerationServicer_to_server`
+    does) with deserializers that turn undecodable bytes into INVALID_ARGUMENT."""
+
+    async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for msg in servicer.Generate(request, context):
+            yield msg
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            _checked(servicer.Abort),
+            request_deserializer=_lenient(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            _checked(servicer.GetStatus),
+            request_deserializer=_lenient(pb.StatusRequest),
+            response_serializer=pb.StatusResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files (the same pair the HTTP server uses)."""
+    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
+
+
+async def start_grpc_server(
+    ingress: Ingress, host: str = "0.0.0.0", port: int = 50051, *, drain: Drain | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start the Generation, health and reflection services; returns the server and its bound port.
 
     Must be called on the event loop that will serve the calls (the ingress's).
-    Port 0 picks a free port.
+    Port 0 picks a free port. Message size limit and TLS come from
+    `ingress.config.server`; `drain` is shared with the HTTP front.
     """
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(ingress), server)
+    cfg = ingress.config.server
+    drain = drain or Drain(ingress)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ]
+    )
+    add_generation_service(GenerationServicer(ingress, drain), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if cfg.tls_cert_file is not None and cfg.tls_key_file is not None:
+        bound = server.add_secure_port(address, server_credentials(cfg.tls_cert_file, cfg.tls_key_file))
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
-    task = asyncio.get_running_loop().create_task(_track_health(server, ingress, health_servicer))
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    drain.on_start(not_serving)
+    task = asyncio.get_running_loop().create_task(
+        _track_health(server, ingress, health_servicer, drain)
+    )
     _health_tasks.add(task)
     task.add_done_callback(_health_tasks.discard)
     await asyncio.sleep(0)  # the first status is set before anyone can ask

@@ -82,9 +82,36 @@ class IngressError(Exception):
         self.message = message
 
 
+# Token ids travel as int32 on gRPC; no vocabulary comes near it.
+MAX_TOKEN_ID = 2**31
+# A client's request_id is echoed in every message and kept while the request runs.
+MAX_REQUEST_ID_CHARS = 256
+# Text prompts up to this many characters are tokenized inline (well under a
+# millisecond); longer ones in a thread, off the event loop.
+INLINE_TOKENIZE_CHARS = 4096
+# A lower bound on characters per token for the prompt-length check (byte-fallback
+# and <unk> tokens may stand for more characters than their own spelling).
+MIN_CHARS_PER_TOKEN = 8
+# HF tokenizers report a huge model_max_length when the model's limit is unknown.
+UNKNOWN_MODEL_LEN = 10**7
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id a request has inside the cluster (ingress tables, workers): unique per tenant.
+
+    Two tenants may use the same request_id; the length prefix keeps every
+    (tenant, id) pair distinct whatever characters either holds.
+    """
+    return f"{len(tenant)}:{tenant}:{request_id}"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One validated generation request, independent of the wire protocol."""
+    """One validated generation request, independent of the wire protocol.
+
+    `tenant` (the authenticated tenant's name) scopes `request_id`: ids,
+    aborts and duplicates are per tenant.
+    """
 
     request_id: str
     prompt: str | tuple[int, ...]
@@ -92,8 +119,14 @@ class GenerationRequest:
     priority: int = 0
     pool: str = ""
     salt: str | None = None
-    # The authenticated tenant's name: its fair share of the pool's wait queue.
+    # The authenticated tenant's name: its fair share of the pool's wait queue,
+    # and the scope of its request ids.
     tenant: str = ""
+
+    @property
+    def key(self) -> str:
+        """`scoped_request_id(tenant, request_id)`: the id workers and the ingress tables use."""
+        return scoped_request_id(self.tenant, self.request_id)
 
     @classmethod
     def create(
@@ -108,6 +141,17 @@ class GenerationRequest:
         tenant: str = "",
     ) -> GenerationRequest:
         """Build and validate; raises ValueError (from SamplingParams) with the limit."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+            )
+        if not isinstance(prompt, str):
+            for pos, tok in enumerate(prompt):
+                # The engine checks the model's vocabulary; this bound keeps hashing safe first.
+                if not 0 <= tok < MAX_TOKEN_ID:
+                    raise ValueError(
+                        f"prompt token id {tok} at position {pos} is outside [0, {MAX_TOKEN_ID})"
+                    )
         return cls(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt),
@@ -208,6 +252,7 @@ class Ingress:
                 # Out of routing until its first poll answers (it may still be loading).
                 self.router.set_alive(worker_id, False)
         self._tokenizers: dict[str, Any] = {}
+        self._max_token_chars: dict[str, int] = {}
         self._running: dict[str, _Running] = {}
         # Tenants sharing a pool split its queue by weight and are dispatched fairly.
         members = {
@@ -263,11 +308,11 @@ class Ingress:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
         """Stream one request; raises IngressError before or during the stream."""
         pool = self._pool_config(req.pool)
-        if req.request_id in self._running or req.request_id in self._waiting:
+        if req.key in self._running or req.key in self._waiting:
             raise IngressError(
                 ErrorCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
             )
-        prompt_ids = self._prompt_ids(pool, req.prompt)
+        prompt_ids = await self._tokenize(pool, req.prompt)
         self._check_length(pool, prompt_ids, req.params)
         started = time.monotonic()
         admitted = self._admit(pool, req, prompt_ids)
@@ -284,7 +329,7 @@ class Ingress:
                 yield StreamDelta(req.request_id, [], "", "abort", "", prompt_tokens)
                 return
             state = _Running(routed)
-            self._running[req.request_id] = state
+            self._running[req.key] = state
             while True:
                 remaining = req.params.max_tokens - len(streamed)
                 params = dataclasses.replace(req.params, max_tokens=remaining)
@@ -300,7 +345,8 @@ class Ingress:
                 try:
                     async for item in self._stream(state.slot, req, prompt, params):
                         if "error" in item:
-                            raise IngressError(ErrorCode.INVALID_ARGUMENT, item["error"])
+                            code = ErrorCode(item.get("code", "invalid_argument"))
+                            raise IngressError(code, item["error"])
                         if cached_tokens is None:
                             cached_tokens = item["cached_tokens"]
                         streamed.extend(item["token_ids"])
@@ -359,20 +405,22 @@ class Ingress:
         finally:
             if state is not None:
                 state.slot.in_flight -= 1
-                self._running.pop(req.request_id, None)
+                self._running.pop(req.key, None)
                 if not finished:
                     # Client gone (cancel, disconnect) or an error: the worker must free
                     # the request's blocks now, not when it would have finished.
-                    _fire_and_forget(state.slot.handle.abort.remote(req.request_id))
+                    _fire_and_forget(state.slot.handle.abort.remote(req.key))
             elif not isinstance(admitted, WorkerSlot):
-                self._leave_queue(req.request_id, admitted)
+                self._leave_queue(req.key, admitted)
             else:
                 admitted.in_flight -= 1
             # A worker may have room now: hand it to the oldest waiting request.
             self._dispatch(pool.name)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a running or waiting request; its stream ends with finish_reason "abort"."""
+    async def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Abort a running or waiting request of `tenant`; its stream ends with finish_reason
+        "abort". Another tenant's request of the same id is not found (False)."""
+        request_id = scoped_request_id(tenant, request_id)
         waiter = self._find_waiter(request_id)
         if waiter is not None:
             self._waiting.remove(request_id)
@@ -392,7 +440,7 @@ class Ingress:
         self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[dict[str, Any]]:
         gen = slot.handle.generate.options(num_returns="streaming").remote(
-            req.request_id, prompt, params, req.priority, req.salt
+            req.key, prompt, params, req.priority, req.salt
         )
         async for ref in gen:
             yield await ref
@@ -414,10 +462,8 @@ class Ingress:
         if not requested or requested == tenant.pool:
             return tenant.pool
         if self.config.auth_required:
-            raise IngressError(
-                ErrorCode.PERMISSION_DENIED,
-                f"tenant {tenant.name!r} may use pool {tenant.pool!r}, not {requested!r}",
-            )
+            # Exactly the answer of an unknown pool: a tenant learns nothing of others' pools.
+            raise unknown_pool(requested)
         self._pool_config(requested)  # NOT_FOUND for an unknown pool
         return requested
 
@@ -429,8 +475,7 @@ class Ingress:
         for pool in self.config.pools:
             if pool.name == name:
                 return pool
-        known = ", ".join(p.name for p in self.config.pools)
-        raise IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}; pools: {known}")
+        raise unknown_pool(name)
 
     def _route(
         self, pool: str, token_ids: Sequence[int], salt: str | None, exclude: Sequence[str] | set[str]
@@ -466,7 +511,7 @@ class Ingress:
                 return slot
         waiter = _Waiter(prompt_ids, hashes, asyncio.get_running_loop().create_future())
         try:
-            self._waiting.push(pool.name, req.tenant, req.request_id, waiter)
+            self._waiting.push(pool.name, req.tenant, req.key, waiter)
         except ResourceExhausted as exc:
             max_num_seqs = self._max_num_seqs(pool)
             queue = self.config.scheduler.wait_queue_size
@@ -556,6 +601,29 @@ class Ingress:
 
     def _max_num_seqs(self, pool: PoolConfig) -> int:
         return int(pool.engine_kwargs().get("max_num_seqs") or EngineConfig.max_num_seqs)
+
+    async def _tokenize(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
+        """Token ids of a prompt, refusing a text too long to fit before tokenizing it.
+
+        A long text is tokenized in a thread: on the event loop it would stall every
+        other stream of this ingress (tokenizing a megabyte takes seconds).
+        """
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, self._max_prompt_chars(pool))
+            if len(prompt) > INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(self._prompt_ids, pool, prompt)
+        return self._prompt_ids(pool, prompt)
+
+    def _max_prompt_chars(self, pool: PoolConfig) -> int | None:
+        """No prompt longer than this fits: max_model_len tokens x the longest token's characters."""
+        tokenizer = self._tokenizer(pool)
+        limit = pool.max_model_len or getattr(tokenizer, "model_max_length", None)
+        if not isinstance(limit, int) or limit > UNKNOWN_MODEL_LEN:
+            return None  # HF's placeholder for "no limit known": the message size bounds it
+        if pool.name not in self._max_token_chars:
+            longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+            self._max_token_chars[pool.name] = max(longest, MIN_CHARS_PER_TOKEN)
+        return limit * self._max_token_chars[pool.name]
 
     def _prompt_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
         if not isinstance(prompt, str):
@@ -677,9 +745,16 @@ class Ingress:
         """Each worker's latest load report by worker id (None before its first one)."""
         return {slot.worker_id: slot.report for slots in self._pools.values() for slot in slots}
 
-    def status(self, pool: str | None = None) -> list[dict[str, Any]]:
-        """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts)."""
-        pools = [self._pool_config(pool)] if pool else list(self.config.pools)
+    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[dict[str, Any]]:
+        """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts).
+
+        With `tenant`, only the pools it may use; another tenant's pool is NOT_FOUND,
+        exactly like an unknown one.
+        """
+        visible = self.config.visible_pools(tenant)
+        if pool and pool not in visible:
+            raise unknown_pool(pool)
+        pools = [self._pool_config(pool)] if pool else [self._pool_config(p) for p in visible]
         out = []
         for cfg in pools:
             workers = [_worker_status(slot) for slot in self._pools[cfg.name]]
@@ -700,6 +775,28 @@ class Ingress:
             entry["num_waiting"] += self._waiting.size(cfg.name)
             out.append(entry)
         return out
+
+
+def check_prompt_text(prompt: str, max_chars: int | None) -> None:
+    """INVALID_ARGUMENT for a text prompt that is not Unicode text or cannot fit max_model_len."""
+    if max_chars is not None and len(prompt) > max_chars:
+        raise IngressError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"prompt of {len(prompt)} characters cannot fit: at most {max_chars} characters "
+            "(max_model_len x the longest token's characters)",
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from JSON "\ud800"
+        raise IngressError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"prompt is not valid Unicode: {exc.reason} at character {exc.start}",
+        ) from exc
+
+
+def unknown_pool(name: str) -> IngressError:
+    """NOT_FOUND for a pool the caller may not see; names no other pool."""
+    return IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}")
 
 
 _BLOCK_FIELDS = (

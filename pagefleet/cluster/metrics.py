@@ -201,7 +201,11 @@ class IngressMetrics:
             self.tpot.labels(pool).observe(tpot_s)
         self.e2e.labels(pool).observe(e2e_s)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Expose `/metrics` over HTTP on `port` (0: a free port); returns the bound port."""
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose `/metrics` over HTTP on host:`port` (0: a free port); returns the bound port.
+
+        Localhost by default: the metrics name every pool and worker, so they are
+        for the operator's scraper, not for tenants (`server.metrics_host`).
+        """
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)

@@ -35,9 +35,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagefleet.cluster.config import ClusterConfig, TenantConfig
+from pagefleet.cluster.config import ClusterConfig, ServerConfig, TenantConfig
 from pagefleet.cluster.dashboard import dashboard_routes
+from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.grpc_server import DEFAULT_MAX_TOKENS, api_key_from_metadata
 from pagefleet.cluster.ingress import (
     ErrorCode,
@@ -243,13 +245,6 @@ def chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str | list[in
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def visible_pools(config: ClusterConfig, tenant: TenantConfig) -> list[str]:
-    """Pools a tenant may name as `model`: its own when keys are required, else all."""
-    if config.auth_required:
-        return [tenant.pool]
-    return [p.name for p in config.pools]
-
-
 def resolve_pool(config: ClusterConfig, model: str, tenant: TenantConfig) -> str:
     """The pool a request's `model` names: a pool name, else a pool serving that model.
 
@@ -257,15 +252,14 @@ def resolve_pool(config: ClusterConfig, model: str, tenant: TenantConfig) -> str
     """
     if not model:
         return tenant.pool
-    if any(p.name == model for p in config.pools):
+    visible = config.visible_pools(tenant)
+    if model in visible:
         return model
-    serving = [p.name for p in config.pools if p.model == model]
+    serving = [p.name for p in config.pools if p.model == model and p.name in visible]
     if serving:
         return tenant.pool if tenant.pool in serving else serving[0]
-    raise IngressError(
-        ErrorCode.NOT_FOUND,
-        f"model {model!r} does not exist; models: {', '.join(visible_pools(config, tenant))}",
-    )
+    # The same answer for a pool that exists but is another tenant's: nothing to learn.
+    raise IngressError(ErrorCode.NOT_FOUND, f"model {model!r} does not exist")
 
 
 # ----- response objects -----------------------------------------------------------------
@@ -469,12 +463,90 @@ async def _send_error(send: Send, exc: IngressError) -> None:
     await _send_json(send, _HTTP_ERRORS[exc.code][0], error_body(exc.code, exc.message))
 
 
+# ----- reading the body -------------------------------------------------------------------
+
+
+class _BodyError(Exception):
+    """A body refused before parsing: too large (413) or too slow (408)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json(request: Request, limits: ServerConfig) -> Any:
+    """The JSON body, read within `max_body_bytes` and `body_timeout_s`.
+
+    Raises `_BodyError` (413, 408) or INVALID_ARGUMENT for a body that is not
+    JSON, nests too deeply or holds a lone surrogate.
+    """
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _BodyError(413, f"request body of {declared} bytes exceeds server.max_body_bytes {limit}")
+
+    async def read() -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyError(413, f"request body exceeds server.max_body_bytes {limit}")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        raw = await asyncio.wait_for(read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise _BodyError(
+            408, f"request body not received within server.body_timeout_s {limits.body_timeout_s}s"
+        ) from None
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a JSON body; INVALID_ARGUMENT naming what is wrong (never a 500)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _invalid("request body is not valid JSON: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, invalid UTF-8, huge ints
+        raise _invalid(f"request body is not valid JSON: {exc}") from exc
+    _check_unicode(body)
+    return body
+
+
+def _check_unicode(body: Any) -> None:
+    """INVALID_ARGUMENT when a string (key or value) holds a lone surrogate ("\\ud800"):
+    JSON allows the escape, but it is no Unicode text a tokenizer can take."""
+    stack = [body]
+    while stack:  # iterative: the nesting may be as deep as json.loads allows
+        item = stack.pop()
+        if isinstance(item, str):
+            texts: Any = (item,)
+        elif isinstance(item, Mapping):
+            texts = item.keys()
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise _invalid(
+                    f"request body is not valid Unicode text: {exc.reason} in {text[:40]!r}"
+                ) from None
+
+
 # ----- the ASGI app -----------------------------------------------------------------------
 
 
-def build_app(ingress: Ingress) -> Starlette:
+def build_app(ingress: Ingress, drain: Drain | None = None) -> Starlette:
     """The Starlette app of the OpenAI endpoints over `ingress`."""
-    api = _OpenAIApi(ingress)
+    api = _OpenAIApi(ingress, drain or Drain(ingress))
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -497,8 +569,9 @@ def build_app(ingress: Ingress) -> Starlette:
 class _OpenAIApi:
     """Endpoint handlers; each authenticates with the ingress's tenant logic (as gRPC does)."""
 
-    def __init__(self, ingress: Ingress) -> None:
+    def __init__(self, ingress: Ingress, drain: Drain) -> None:
         self._ingress = ingress
+        self._drain = drain
         self._created = int(time.time())
 
     def _tenant(self, request: Request) -> TenantConfig:
@@ -514,16 +587,16 @@ class _OpenAIApi:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
             tenant = self._tenant(request)
-            try:
-                body = await request.json()
-            except ValueError as exc:
-                raise _invalid(f"request body is not valid JSON: {exc}") from exc
+            body = await read_json(request, self._ingress.config.server)
             parsed = parse_request(body, chat=chat)
             config = self._ingress.config
             pool = self._ingress.tenant_pool(tenant, resolve_pool(config, parsed.model, tenant))
             if chat:
                 assert isinstance(parsed.prompt, list)
-                prompt = chat_prompt(parsed.prompt, self._ingress.tokenizer(pool))  # type: ignore[arg-type]
+                # A chat template may tokenize: off the event loop, like text prompts.
+                prompt = await asyncio.to_thread(
+                    chat_prompt, parsed.prompt, self._ingress.tokenizer(pool)  # type: ignore[arg-type]
+                )
             else:
                 prompt = parsed.prompt  # type: ignore[assignment]
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -540,9 +613,11 @@ class _OpenAIApi:
                 raise _invalid(str(exc)) from exc
         except IngressError as exc:
             return error_response(exc)
+        except _BodyError as exc:
+            return JSONResponse(error_body(ErrorCode.INVALID_ARGUMENT, str(exc)), status_code=exc.status)
         fmt = _Format(chat, request_id, parsed.model or pool, int(time.time()))
         return GenerationResponse(
-            self._ingress.generate(req), fmt, stream=parsed.stream, include_usage=parsed.include_usage
+            self._drain.generate(req), fmt, stream=parsed.stream, include_usage=parsed.include_usage
         )
 
     def _model_entry(self, pool_name: str) -> dict[str, Any]:
@@ -563,28 +638,68 @@ class _OpenAIApi:
             tenant = self._tenant(request)
         except IngressError as exc:
             return error_response(exc)
-        data = [self._model_entry(name) for name in visible_pools(self._ingress.config, tenant)]
+        data = [self._model_entry(name) for name in self._ingress.config.visible_pools(tenant)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
             name = request.path_params["model"]
-            if name not in visible_pools(self._ingress.config, tenant):
+            if name not in self._ingress.config.visible_pools(tenant):
                 raise IngressError(ErrorCode.NOT_FOUND, f"model {name!r} does not exist")
         except IngressError as exc:
             return error_response(exc)
         return JSONResponse(self._model_entry(name))
 
     async def health(self, request: Request) -> Response:
-        """200 when every pool has a live worker, else 503; lists live workers per pool."""
+        """200 when every pool has a live worker, else 503 (also while draining)."""
         live = self._ingress.live_workers()
-        ok = all(n > 0 for n in live.values())
-        body = {"status": "ok" if ok else "unavailable", "live_workers": live}
+        ok = all(n > 0 for n in live.values()) and not self._drain.draining
+        status = "draining" if self._drain.draining else "ok" if ok else "unavailable"
+        body = {"status": status, "live_workers": live}
         return JSONResponse(body, status_code=200 if ok else 503)
 
 
 # ----- the server -------------------------------------------------------------------------
+
+
+class _TimedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol plus a header timeout: a connection that has not sent a
+    complete request head within `header_timeout_s` (fresh, or idle then trickling) is
+    closed. uvicorn itself only times out idle keep-alive connections."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests():
+            self._arm_header_timer()
+        super().data_received(data)
+        if not self._between_requests() and self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -618,12 +733,16 @@ class HttpServer:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def start_http_server(ingress: Ingress, host: str = "0.0.0.0", port: int = 8000) -> HttpServer:
+async def start_http_server(
+    ingress: Ingress, host: str = "0.0.0.0", port: int = 8000, *, drain: Drain | None = None
+) -> HttpServer:
     """Serve the OpenAI endpoints of `ingress` on host:port (0 picks a free port).
 
     Must be called on the event loop that serves the ingress. Raises OSError
-    naming the address when it cannot be bound.
+    naming the address when it cannot be bound. Body limit, timeouts and TLS
+    come from `ingress.config.server`; `drain` is shared with the gRPC front.
     """
+    limits = ingress.config.server
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -634,12 +753,17 @@ async def start_http_server(ingress: Ingress, host: str = "0.0.0.0", port: int =
         raise OSError(exc.errno, f"cannot bind the OpenAI HTTP server to {host}:{port}: {exc.strerror}") from exc
     sock.listen(2048)
     sock.setblocking(False)
+    protocol = type("TimedH11Protocol", (_TimedH11Protocol,), {"header_timeout_s": limits.header_timeout_s})
     config = uvicorn.Config(
-        build_app(ingress),
+        build_app(ingress, drain),
         lifespan="off",
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=2,
+        http=protocol,
+        timeout_keep_alive=max(1, round(limits.idle_timeout_s)),
+        ssl_certfile=limits.tls_cert_file,
+        ssl_keyfile=limits.tls_key_file,
     )
     server = _EmbeddedServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -662,5 +786,4 @@ __all__ = [
     "parse_request",
     "resolve_pool",
     "start_http_server",
-    "visible_pools",
 ]

@@ -116,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
+        drain_s = config.server.drain_timeout_s
+        print(f"pagefleet: draining (up to {drain_s:g}s; Ctrl-C again to stop now)", flush=True)
+        stop.clear()
+        drained = threading.Thread(target=cluster.drain, daemon=True)
+        drained.start()
+        while drained.is_alive() and not stop.wait(0.2):
+            pass
         print("pagefleet: shutting down", flush=True)
     finally:
         if cluster is not None:

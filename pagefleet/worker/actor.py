@@ -57,7 +57,7 @@ class WorkerActor:
         self.pool = pool
         # A new id per (re)start: the ingress notices a restart by it changing.
         self.incarnation = uuid.uuid4().hex
-        self._engine = AsyncEngine(engine_config)
+        self._engine = AsyncEngine(engine_config, on_fatal=_exit_for_restart)
         self._block_size = engine_config.block_size
         self._report_interval_s = report_interval_s
         self._scheduler_namespace = scheduler_namespace
@@ -86,6 +86,9 @@ class WorkerActor:
                 request_id, prompt, params, priority=priority, salt=salt
             )
             async for out in stream:
+                if out.error is not None:  # this request alone failed; the engine goes on
+                    yield {"error": out.error, "code": "internal"}
+                    return
                 yield _delta(out)
         except RequestError as exc:
             yield {"error": str(exc)}
@@ -193,6 +196,15 @@ class WorkerActor:
                 logger.debug("worker %s: scheduler report failed: %s", self.worker_id, exc)
                 scheduler = None
             await asyncio.sleep(self._report_interval_s)
+
+
+def _exit_for_restart(exc: BaseException) -> None:
+    """The engine died (no single request's fault): end the process so Ray restarts the
+    actor; its streams fail like a crash and the ingress resumes them elsewhere. A worker
+    must never answer polls (look alive) with a dead engine."""
+    logger.critical("worker process exits so Ray restarts it: %s: %s", type(exc).__name__, exc)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _find_scheduler(namespace: str | None) -> Any:

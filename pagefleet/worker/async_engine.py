@@ -12,6 +12,7 @@ which frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,11 @@ from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Finish reasons that end the whole request, whichever completion reached them first.
+_ENDS_REQUEST = ("abort", "error")
 
 
 class EngineDeadError(RuntimeError):
@@ -59,7 +65,15 @@ def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
 class AsyncEngine:
     """An `LLMEngine` stepping in a background thread, streamed to asyncio callers."""
 
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        *,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """`on_fatal` is called (in the engine thread) when a step fails for a reason that
+        is no single request's fault; without it the error ends every open stream."""
         if engine is None:
             engine = LLMEngine(config or EngineConfig())
         self.engine = engine
@@ -69,6 +83,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # held by the engine thread while it touches the engine
         self._stopped = False
         self._error: BaseException | None = None
+        self._on_fatal = on_fatal
         self._thread = threading.Thread(target=self._run, name="pagefleet-engine", daemon=True)
         self._thread.start()
 
@@ -114,8 +129,8 @@ class AsyncEngine:
                     raise EngineDeadError("the engine thread failed") from item
                 if item.finished:
                     finished.add(item.index)
-                    # An abort ends the request, whichever completion it reached first.
-                    done = len(finished) >= stream.n or item.finish_reason == "abort"
+                    # An abort or an error ends the request, whichever completion it reached first.
+                    done = len(finished) >= stream.n or item.finish_reason in _ENDS_REQUEST
                 yield item
                 if done:
                     return
@@ -195,6 +210,9 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as exc:  # surfaced to every open stream, not lost in a thread
             self._error = exc
+            logger.critical("the engine thread failed; the engine is dead", exc_info=exc)
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
             for stream in self._streams.values():
                 stream.push(exc)
             self._streams.clear()
@@ -206,7 +224,7 @@ class AsyncEngine:
                 continue
             if out.finished:
                 stream.finished.add(out.index)
-                if len(stream.finished) >= stream.n or out.finish_reason == "abort":
+                if len(stream.finished) >= stream.n or out.finish_reason in _ENDS_REQUEST:
                     del self._streams[out.request_id]
             if not stream.push(out):
                 # Nobody can read this stream any more: stop the request.

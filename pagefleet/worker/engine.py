@@ -270,6 +270,11 @@ class LLMEngine:
             [s.generator for s in sampled],
         )
         for seq, token in zip(sampled, tokens, strict=True):
+            if seq.finish_reason is not None:
+                continue  # a sibling completion's failure already ended it
+            if token is None:
+                outputs.extend(self._fail_request(seq.request, "its logits are not finite (NaN or inf)"))
+                continue
             self._append_token(seq, token)
             outputs.append(self._delta(seq))
             if seq.finish_reason is not None:
@@ -277,6 +282,20 @@ class LLMEngine:
                 if seq.request.finished:
                     self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def _fail_request(self, request: Request, reason: str) -> list[RequestOutput]:
+        """End every completion of one request with finish_reason "error"; the batch goes on."""
+        message = f"request {request.request_id!r} failed: {reason}; it was stopped"
+        self.requests.pop(request.request_id, None)
+        deltas = []
+        for seq in request.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+                delta = self._delta(seq)
+                delta.error = message
+                deltas.append(delta)
+        return deltas
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request

@@ -23,8 +23,9 @@ class RequestOutput:
     `new_token_ids` / `new_text` are the delta of this step, `token_ids` /
     `text` everything generated so far. `finish_reason` is None while the
     completion runs, then "stop" (EOS, a stop token or a stop string),
-    "length" (`max_tokens`) or "abort". `num_cached_tokens` counts prompt
-    tokens served from the prefix cache at admission.
+    "length" (`max_tokens`), "abort", or "error" with `error` saying why (the
+    request alone failed, e.g. its logits were not finite; the engine goes on).
+    `num_cached_tokens` counts prompt tokens served from the prefix cache at admission.
 
     `LLM.generate()` returns one per prompt: the fields describe completion 0
     and `outputs` holds all `n` completions, ordered by index.
@@ -40,6 +41,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

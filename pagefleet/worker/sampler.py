@@ -13,27 +13,40 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """One token per row of `logits` ([num_rows, vocab]).
+) -> list[int | None]:
+    """One token per row of `logits` ([num_rows, vocab]); None for a row that cannot be sampled.
 
     Greedy rows take the argmax (first index on ties, like HF). Other rows
     apply temperature, top-k and top-p, then draw with the row's own
     generator, on CPU in float32 so a seed gives the same token on any
     device and in any batch.
+
+    A row whose logits hold NaN or +inf (or whose probabilities are not a
+    distribution) gets None instead of raising: the caller fails that one
+    request, and every other row of the batch still gets its token.
     """
-    tokens = [0] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens: list[int | None] = [None] * len(params)
+    ok = _finite_rows(logits)
+    greedy = [i for i, p in enumerate(params) if p.greedy and ok[i]]
     if greedy:
         picked = logits[greedy].argmax(dim=-1).tolist()
         for i, tok in zip(greedy, picked, strict=True):
             tokens[i] = int(tok)
     for i, p in enumerate(params):
-        if p.greedy:
+        if p.greedy or not ok[i]:
             continue
         row = logits[i].detach().to(device="cpu", dtype=torch.float32)
         probs = sampling_probs(row, p)
+        if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0.0):
+            continue
         tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return tokens
+
+
+def _finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Per row: no NaN and no +inf (a -inf logit is a masked token, which is fine)."""
+    bad = torch.isnan(logits) | torch.isposinf(logits)
+    return (~bad.any(dim=-1)).tolist()
 
 
 def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -49,6 +62,7 @@ def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # most likely token always stays.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[0] = False  # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Below this temperature sampling is greedy: dividing logits by a smaller number
+# overflows float32 (1e-39 or 1e-300 would turn every logit into inf), and the
+# distribution is argmax to within float32 rounding long before (vLLM uses the same).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Bounds on the per-request stop strings: every decoded token is matched against
+# each of them, so an unbounded list (or a megabyte string) slows the whole batch.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Seeds are 64-bit (signed or unsigned, as clients send them); they are derived
+# into torch's generator range, so a wider one would only cost time.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample the completion(s) of one request.
 
-    `temperature == 0` is greedy (argmax). `top_k == 0` and `top_p == 1.0`
+    `temperature` below `GREEDY_TEMPERATURE_EPS` (1e-5), 0 included, is greedy (argmax). `top_k == 0` and `top_p == 1.0`
     disable those filters. `seed` makes the request's random draws
     reproducible whatever else shares its batch; `n > 1` samples `n`
     completions that share the prompt's KV blocks (copy-on-write).
@@ -38,8 +53,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # NaN fails too
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -48,12 +67,25 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**64 - 1], got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            longest = max(len(s) for s in self.stop)
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got {longest}"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
-        """True when sampling is deterministic argmax."""
-        return self.temperature == 0.0
+        """True when sampling is deterministic argmax (temperature below 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS

@@ -1,0 +1,104 @@
+"""Graceful drain: stop accepting, let running streams finish, then end what is left.
+
+One `Drain` is shared by the gRPC and HTTP fronts of an ingress. Every
+generation request runs inside `Drain.track`; once `start()` is called new
+requests get UNAVAILABLE (and health says NOT_SERVING / 503), while requests
+already streaming go on. `wait(timeout_s)` returns when they are all done, or
+at the timeout aborts the rest through the ingress, so each still ends with a
+proper last message (finish_reason "abort"; SSE streams still end with
+`[DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+
+from pagefleet.cluster.ingress import (
+    ErrorCode,
+    GenerationRequest,
+    Ingress,
+    IngressError,
+    StreamDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+# After aborting at the timeout: how long the aborted streams get to send their last message.
+ABORT_GRACE_S = 5.0
+
+
+class Drain:
+    """Tracks the requests in flight on one ingress and drains them on shutdown."""
+
+    def __init__(self, ingress: Ingress) -> None:
+        self._ingress = ingress
+        self._active: dict[int, GenerationRequest] = {}
+        self._next = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._on_start: list[Callable[[], Awaitable[None]]] = []
+        self.draining = False
+
+    def on_start(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Await `callback()` as soon as draining starts (the gRPC health service goes
+        NOT_SERVING at once, not at its next refresh)."""
+        self._on_start.append(callback)
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests accepted and not finished yet."""
+        return len(self._active)
+
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
+        """`Ingress.generate`, counted in flight; UNAVAILABLE once draining has started."""
+        with self._track(req):
+            async with contextlib.aclosing(self._ingress.generate(req)) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    @contextlib.contextmanager
+    def _track(self, req: GenerationRequest) -> Iterator[None]:
+        if self.draining:
+            raise IngressError(
+                ErrorCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
+            )
+        token = self._next
+        self._next += 1
+        self._active[token] = req
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            del self._active[token]
+            if not self._active:
+                self._idle.set()
+
+    def start(self) -> None:
+        """Stop accepting new requests (idempotent)."""
+        if not self.draining:
+            logger.warning("draining: %d requests in flight", self.in_flight)
+        self.draining = True
+
+    async def wait(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the running requests; abort the rest. Returns how many were aborted."""
+        self.start()
+        for callback in self._on_start:
+            await callback()
+        started = time.monotonic()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        left = list(self._active.values())
+        for req in left:
+            await self._ingress.abort(req.request_id, req.tenant)
+        if left:
+            logger.warning(
+                "drain timeout (%.0fs): aborted %d requests still running", timeout_s, len(left)
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+        logger.warning("drained in %.1fs", time.monotonic() - started)
+        return len(left)
