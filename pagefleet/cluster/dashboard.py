@@ -19,6 +19,7 @@ server or log.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -62,7 +63,7 @@ def snapshot(ingress: Ingress, tenant: TenantConfig | None = None) -> dict[str, 
 
 
 def _label_tenants(
-    by_salt: dict[str, int], names: dict[str, str], own: str | None
+    by_salt: Mapping[str, int], names: Mapping[str, str], own: str | None
 ) -> dict[str, int]:
     labelled: dict[str, int] = {}
     for salt, blocks in by_salt.items():
