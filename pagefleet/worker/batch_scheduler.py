@@ -13,6 +13,9 @@ Each step, in order:
    first come) within `max_num_seqs` and the budget, each reusing its longest
    cached prefix (the last token is always computed: its logits are needed):
    the pool's run first, then the offload tier's, copied back into fresh blocks.
+   A sequence whose next uncached block is being computed right now by
+   another (a group of prompts sharing a prefix, submitted together) waits a
+   step and then reuses it; the sequences behind it may go first.
 
 Preemption modes: "recompute" frees the blocks and requeues the sequence at
 the front (its prompt and generated tokens are computed again, usually
@@ -158,6 +161,7 @@ class BatchScheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; reserves the slots of every scheduled token."""
         out = SchedulerOutput()
+        self._protect_waiting_prefixes()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         budget = self._schedule_swapped(out, budget)
@@ -165,6 +169,32 @@ class BatchScheduler:
             self._schedule_waiting(out, budget)
         self.cow_copies += len(out.copies)
         return out
+
+    def _protect_waiting_prefixes(self) -> None:
+        """Order the cached blocks so eviction takes those no waiting sequence will reuse first.
+
+        The blocks waiting sequences will hit go to the most-recently-used end,
+        the next sequence to be admitted last, and each sequence's first block
+        after its later ones (a prefix is only as good as its first block).
+        Skipped when the step cannot need more than the free blocks, and bounded
+        by the pool's size: sequences further back could not keep theirs anyway.
+        """
+        if not (self.config.enable_prefix_caching and self.waiting):
+            return
+        cfg = self.config
+        most_a_step_allocates = cfg.max_num_batched_tokens // self.block_size + 2 * cfg.max_num_seqs
+        if self.pool.stats().free >= most_a_step_allocates:
+            return
+        wanted: list[list[bytes]] = []
+        room = self.pool.num_blocks
+        for seq in self.waiting:
+            hashes = seq.full_block_hashes(seq.num_tokens - 1, self.block_size)
+            wanted.append(hashes)
+            room -= len(hashes)
+            if room <= 0:
+                break
+        for hashes in reversed(wanted):
+            self.pool.touch(reversed(hashes))
 
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
@@ -262,11 +292,20 @@ class BatchScheduler:
             self.waiting = deque(sorted(self.waiting, key=lambda s: -s.priority))  # stable
         bs = self.block_size
         caching = self.config.enable_prefix_caching
-        capped: list[Sequence] = []  # passed over (tenant at its cap), keep their places
+        inflight = self._inflight_hashes() if caching else set()
+        # Passed over this step (a prefix being computed, or the tenant at its cap):
+        # they keep their places, ahead of the rest.
+        passed: list[Sequence] = []
         while self.waiting and self._room(out, budget):
             seq = self.waiting[0]
             # The last prompt token is always computed: its logits are needed.
             hashes = seq.full_block_hashes(seq.num_tokens - 1, bs) if caching else []
+            if inflight and self._follows_inflight(hashes, inflight):
+                # Its next uncached block is being computed by a sequence admitted
+                # earlier: admitted a step later, it hits that block instead of
+                # computing it again. Later requests may go ahead of it meanwhile.
+                passed.append(self.waiting.popleft())
+                continue
             # Cheap optimistic check before lookup() takes refs and counts a query:
             # even if every hashed block hits, the rest of the chunk needs new blocks.
             best_computed = len(hashes) * bs
@@ -275,7 +314,7 @@ class BatchScheduler:
                 break
             if self.quota.excess(seq.request.salt, -(-best_n // bs), self.running, self.swapped) > 0:
                 self.quota.refuse(seq.request.salt)
-                capped.append(self.waiting.popleft())
+                passed.append(self.waiting.popleft())
                 continue
             table = BlockTable(self.pool)
             hits = self.pool.lookup(hashes) if hashes else []
@@ -295,7 +334,7 @@ class BatchScheduler:
             if self.quota.excess(seq.request.salt, new_live, self.running, self.swapped) > 0:
                 table.free()
                 self.quota.refuse(seq.request.salt)
-                capped.append(self.waiting.popleft())
+                passed.append(self.waiting.popleft())
                 continue
             result = table.append_slots(n)
             self.waiting.popleft()
@@ -310,7 +349,23 @@ class BatchScheduler:
             out.copies.extend(result.copies)
             out.scheduled.append(ScheduledSeq(seq, n, result.slots))
             budget -= n
-        self.waiting.extendleft(reversed(capped))
+            inflight.update(hashes[num_hit_blocks:])
+        self.waiting.extendleft(reversed(passed))  # back in their order, ahead of the rest
+
+    def _inflight_hashes(self) -> set[bytes]:
+        """Hashes of prompt blocks that running sequences are still computing."""
+        inflight: set[bytes] = set()
+        for seq in self.running:
+            if seq.num_registered_blocks < len(seq.block_hashes):
+                inflight.update(seq.block_hashes[seq.num_registered_blocks :])
+        return inflight
+
+    def _follows_inflight(self, hashes: list[bytes], inflight: set[bytes]) -> bool:
+        """Whether the first of `hashes` that is not cached yet is being computed now."""
+        for h in hashes:
+            if not self.pool.is_cached(h):
+                return h in inflight
+        return False
 
     # -------------------------------------------------------------- preemption
 

@@ -288,6 +288,29 @@ class BlockPool:
                 self._peak_live = live
         return out
 
+    def touch(self, hashes: Iterable[bytes]) -> None:
+        """Make the cached (ref 0) blocks under `hashes` the most recently used, in order.
+
+        The last hash given ends up evicted last. Live and unknown hashes are
+        ignored; counts no prefix query. The batch scheduler calls this for the
+        prefixes that waiting requests are about to reuse.
+        """
+        cached, ref = self._cached, self._ref
+        nxt, prev = self._next, self._prev
+        s = self._sentinel
+        for h in hashes:
+            b = cached.get(h)
+            if b is None or ref[b] or prev[s] == b:
+                continue
+            p, n = prev[b], nxt[b]
+            nxt[p] = n
+            prev[n] = p
+            tail = prev[s]
+            nxt[tail] = b
+            prev[b] = tail
+            nxt[b] = s
+            prev[s] = b
+
     def register(self, block_id: int, block_hash: bytes) -> bool:
         """Make a full, written, live block findable under `block_hash`.
 
