@@ -1,11 +1,13 @@
 """Hostile clients against a real two-tenant cluster over TLS (issue 10's findings).
 
-One cluster for the module: pool "default" (1 worker) shared by tenants acme
-and beta, pool "other" (1 worker) of tenant gamma; gRPC and HTTP serve TLS
-with a self-signed certificate made here; small body, message and timeout
-limits so the limit tests stay quick. Every test leaves each worker with no
-live block and free + cached == total, and the same worker process it found
-(no request may kill a worker). The drain test runs last: it stops the servers.
+One cluster for the module, started as operators do: a `pagefleet serve`
+process. Pool "default" (1 worker) is shared by tenants acme and beta, pool
+"other" (1 worker) is tenant gamma's; gRPC and HTTP serve TLS with a
+self-signed certificate made here; body, message and timeout limits are small
+so the limit tests stay quick. Every test leaves each worker with no live
+block and free + cached == total, and the same worker process it found (no
+request may kill a worker). The drain test runs last: it sends SIGTERM to the
+`serve` process, which drains and exits.
 """
 
 from __future__ import annotations
@@ -14,10 +16,17 @@ import concurrent.futures
 import datetime
 import ipaddress
 import json
+import os
+import re
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,7 @@ import grpc
 import httpx
 import pytest
 import ray
+import yaml
 from cluster_fixtures import wait_for
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -34,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import NAMESPACE
 from pagefleet.cluster.client import auth_metadata, build_request, get_status, stream_generate
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
@@ -94,7 +104,7 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _self_signed(tmp_path_factory.mktemp("tls"))
 
 
-def faults_config(cert_file: Path, key_file: Path) -> ClusterConfig:
+def faults_config(cert_file: Path, key_file: Path) -> dict[str, Any]:
     pool = {
         "model": "tiny",
         "workers": 1,
@@ -105,7 +115,7 @@ def faults_config(cert_file: Path, key_file: Path) -> ClusterConfig:
         "max_num_batched_tokens": 256,
         "device": "cpu",
     }
-    return ClusterConfig.from_dict(
+    return (
         {
             "pools": [
                 {"name": "default", **pool},
@@ -128,7 +138,7 @@ def faults_config(cert_file: Path, key_file: Path) -> ClusterConfig:
                 "header_timeout_s": TIMEOUT_S,
                 "body_timeout_s": TIMEOUT_S,
                 "idle_timeout_s": TIMEOUT_S,
-                "drain_timeout_s": 30,
+                "drain_timeout_s": DRAIN_TIMEOUT_S,
                 "tls_cert_file": str(cert_file),
                 "tls_key_file": str(key_file),
             },
@@ -136,17 +146,80 @@ def faults_config(cert_file: Path, key_file: Path) -> ClusterConfig:
     )
 
 
+@dataclass
+class Served:
+    """A running `pagefleet serve` process, its ports and its worker actors."""
+
+    process: subprocess.Popen[str]
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    log: Path
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+def _wait_for_ports(process: subprocess.Popen[str], log: Path, timeout_s: float) -> dict[str, str]:
+    patterns = {
+        "ray": r"Ray +(\S+:\d+)",
+        "grpc": r"gRPC +[\d.]+:(\d+)",
+        "http": r"HTTP +https://[\d.]+:(\d+)",
+        "metrics": r"metrics +http://127\.0\.0\.1:(\d+)",
+    }
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log.read_text()
+        if "Ctrl-C to stop." in text:
+            ports = {}
+            for name, pattern in patterns.items():
+                match = re.search(pattern, text)
+                assert match is not None, f"no {name} port in the serve output:\n{text}"
+                ports[name] = match.group(1)
+            return ports
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"pagefleet serve did not start (rc={process.poll()}):\n{text}")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
-def cluster(cert: tuple[Path, Path]) -> Iterator[RunningCluster]:
-    running = start_cluster(faults_config(*cert))
+def cluster(cert: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    work = tmp_path_factory.mktemp("serve")
+    config_file, log = work / "cluster.yaml", work / "serve.log"
+    config = faults_config(*cert)
+    ClusterConfig.from_dict(config)  # a bad config fails here, with its message
+    config_file.write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable, "-m", "pagefleet", "serve", "--config", str(config_file),
+        "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+    ]
+    # This process joins the serve process's Ray cluster (to read its workers): no token.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        yield running
+        ports = _wait_for_ports(process, log, timeout_s=400)
+        # The test process joins the serve process's Ray cluster to read its workers.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_AUTH_MODE", "disabled")
+            ray.init(address=ports["ray"], namespace=NAMESPACE, log_to_driver=False)
+        yield Served(process, int(ports["grpc"]), int(ports["http"]), int(ports["metrics"]), log)
     finally:
-        running.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # a second signal stops at once
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(30)
 
 
 @pytest.fixture(scope="module")
-def channel(cluster: RunningCluster, cert: tuple[Path, Path]) -> Iterator[grpc.Channel]:
+def channel(cluster: Served, cert: tuple[Path, Path]) -> Iterator[grpc.Channel]:
     creds = grpc.ssl_channel_credentials(root_certificates=cert[0].read_bytes())
     options = [("grpc.ssl_target_name_override", TLS_NAME), ("grpc.max_send_message_length", 2**24)]
     with grpc.secure_channel(cluster.grpc_target, creds, options=options) as ch:
@@ -159,7 +232,7 @@ def grpc_stub(channel: grpc.Channel) -> pb_grpc.GenerationStub:
 
 
 @pytest.fixture(scope="module")
-def https_url(cluster: RunningCluster) -> str:
+def https_url(cluster: Served) -> str:
     return f"https://{TLS_NAME}:{cluster.http_port}"
 
 
@@ -185,19 +258,24 @@ def http(https_url: str, tls_context: ssl.SSLContext) -> Iterator[httpx.Client]:
         yield client
 
 
-def _workers(cluster: RunningCluster) -> list[Any]:
-    return [handle for pool in cluster.workers.values() for _, handle in pool]
+WORKER_NAMES = ("pagefleet-worker-default-0", "pagefleet-worker-other-0")
+
+
+def _workers(cluster: Served) -> list[Any]:
+    return [ray.get_actor(name, namespace=NAMESPACE) for name in WORKER_NAMES]
 
 
 @pytest.fixture(scope="module")
-def worker_pids(cluster: RunningCluster) -> list[int]:
+def worker_pids(cluster: Served) -> list[int]:
     return [ray.get(h.info.remote(), timeout=60)["pid"] for h in _workers(cluster)]
 
 
 @pytest.fixture(autouse=True)
-def no_worker_hurt(cluster: RunningCluster, worker_pids: list[int]) -> Iterator[None]:
+def no_worker_hurt(cluster: Served, worker_pids: list[int]) -> Iterator[None]:
     """After each test: the same worker processes, no live block, free + cached == total."""
     yield
+    if cluster.process.poll() is not None:
+        return  # the drain test stopped the cluster
 
     def clean() -> bool:
         for handle in _workers(cluster):
@@ -336,7 +414,7 @@ def _listen_addresses(port: int) -> set[str]:
     return found
 
 
-def test_metrics_listen_on_localhost_only(cluster: RunningCluster) -> None:
+def test_metrics_listen_on_localhost_only(cluster: Served) -> None:
     assert cluster.metrics_port is not None
     assert _listen_addresses(cluster.metrics_port) == {"0100007F"}  # 127.0.0.1
 
@@ -370,7 +448,7 @@ def test_a_long_request_id_is_invalid_argument(grpc_stub: pb_grpc.GenerationStub
     assert "at most 256 characters" in (err.details() or "")
 
 
-def _tls_socket(cluster: RunningCluster, tls_context: ssl.SSLContext) -> ssl.SSLSocket:
+def _tls_socket(cluster: Served, tls_context: ssl.SSLContext) -> ssl.SSLSocket:
     raw = socket.create_connection(("127.0.0.1", cluster.http_port or 0), timeout=30)
     return tls_context.wrap_socket(raw, server_hostname=TLS_NAME)
 
@@ -386,14 +464,14 @@ def _read_until_closed(sock: ssl.SSLSocket) -> bytes:
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(
-    cluster: RunningCluster, tls_context: ssl.SSLContext
+    cluster: Served, tls_context: ssl.SSLContext
 ) -> None:
     with _tls_socket(cluster, tls_context) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and then nothing
         assert _read_until_closed(sock) == b""
 
 
-def test_a_body_that_never_arrives_is_408(cluster: RunningCluster, tls_context: ssl.SSLContext) -> None:
+def test_a_body_that_never_arrives_is_408(cluster: Served, tls_context: ssl.SSLContext) -> None:
     with _tls_socket(cluster, tls_context) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -404,7 +482,7 @@ def test_a_body_that_never_arrives_is_408(cluster: RunningCluster, tls_context: 
 
 
 def test_a_connection_that_sends_nothing_is_closed(
-    cluster: RunningCluster, tls_context: ssl.SSLContext
+    cluster: Served, tls_context: ssl.SSLContext
 ) -> None:
     with _tls_socket(cluster, tls_context) as sock:  # handshake done, then silence
         assert _read_until_closed(sock) == b""  # closed by the server, before our 30 s timeout
@@ -441,7 +519,7 @@ def test_undecodable_grpc_bytes_are_invalid_argument(channel: grpc.Channel) -> N
 
 
 def test_the_python_client_speaks_tls_with_the_ca_file(
-    cluster: RunningCluster, cert: tuple[Path, Path], grpc_stub: pb_grpc.GenerationStub
+    cluster: Served, cert: tuple[Path, Path], grpc_stub: pb_grpc.GenerationStub
 ) -> None:
     target = f"{TLS_NAME}:{cluster.grpc_port}"
     ca = str(cert[0])
@@ -450,7 +528,7 @@ def test_the_python_client_speaks_tls_with_the_ca_file(
     assert [p.name for p in get_status(target, api_key=KEY_BETA, tls_ca=ca).pools] == ["default"]
 
 
-def test_a_plaintext_client_gets_no_answer_from_the_tls_server(cluster: RunningCluster) -> None:
+def test_a_plaintext_client_gets_no_answer_from_the_tls_server(cluster: Served) -> None:
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{cluster.http_port}/health", timeout=10)
 
@@ -568,8 +646,8 @@ def _finish_reason(event: str) -> str:
     return str(json.loads(event)["choices"][0]["finish_reason"])
 
 
-def test_drain_refuses_new_requests_lets_streams_finish_and_ends_the_rest_with_done(
-    cluster: RunningCluster,
+def test_sigterm_drains_refusing_new_requests_finishing_streams_and_ending_the_rest_with_done(
+    cluster: Served,
     channel: grpc.Channel,
     grpc_stub: pb_grpc.GenerationStub,
     https_url: str,
@@ -590,7 +668,9 @@ def test_drain_refuses_new_requests_lets_streams_finish_and_ends_the_rest_with_d
         short_sse = pool.submit(_sse_events, acme, short, short_started)
         long_sse = pool.submit(_sse_events, gamma, long, long_started)
         assert short_started.wait(60) and long_started.wait(60)
-        drained = pool.submit(cluster.drain, DRAIN_TIMEOUT_S)
+        # Leave Ray first: the serve process stops its Ray cluster when it exits.
+        ray.shutdown()
+        cluster.process.send_signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(channel)
 
         def not_serving() -> bool:
@@ -602,12 +682,12 @@ def test_drain_refuses_new_requests_lets_streams_finish_and_ends_the_rest_with_d
         http_health = acme.get("/health")
         rest = list(stream)
         short_events, long_events = short_sse.result(), long_sse.result()
-        aborted = drained.result()
+        rc = cluster.process.wait(120)
+    assert rc == 0, cluster.log.read_text()
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in (refused.details() or "")
     assert http_health.status_code == 503 and http_health.json()["status"] == "draining"
     assert rest[-1].finish_reason == "length" and len(_tokens([first, *rest])) == 60
     assert short_events[-1] == "[DONE]" and _finish_reason(short_events[-2]) == "length"
     # Past drain_timeout_s the long stream is aborted, and still ends properly.
-    assert aborted == 1
     assert long_events[-1] == "[DONE]" and _finish_reason(long_events[-2]) == "abort"

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}
     cluster = None
     try:
         cluster = start_cluster(
@@ -103,15 +103,25 @@ def run(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         )
+        # Only now: ray.init replaces the SIGTERM handler with its own sys.exit, which
+        # would skip the drain. (A Ctrl-C during start-up just aborts it.)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
         print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
         for pool in config.pools:
             print(f"  pool {pool.name}: model={pool.model} workers={pool.workers}", flush=True)
         print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
         if cluster.http_port is not None:
-            print(f"  HTTP     http://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
+            scheme = "https" if config.server.tls else "http"
+            print(f"  HTTP     {scheme}://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
         if cluster.metrics_port is not None:
-            print(f"  metrics  http://{host}:{cluster.metrics_port}/metrics")
+            metrics_host = config.server.metrics_host
+            if metrics_host in ("0.0.0.0", "::"):
+                metrics_host = "127.0.0.1"
+            print(f"  metrics  http://{metrics_host}:{cluster.metrics_port}/metrics")
+        import ray
+
+        print(f"  Ray      {ray.get_runtime_context().gcs_address}  (the Ray cluster's GCS address)")
         print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
