@@ -89,10 +89,18 @@ def quiet_when_not_a_terminal() -> None:
 
 
 def quiet_ray_driver_logs() -> None:
-    """Hide Serve's driver-side chatter that reads like a problem on a fresh start
-    ("Connecting to existing Serve app"); warnings and errors still show."""
+    """Hide driver-side chatter that reads like a problem on a clean start.
+
+    Serve's INFO lines ("Connecting to existing Serve app") and Ray's notice that
+    token auth is enabled; other warnings and errors still show.
+    """
     # A filter, not a level: Serve resets its logger's level when it starts.
     logging.getLogger("ray.serve").addFilter(_warnings_and_above)
+    # Every local start warns that Ray's token auth is on, its safe default; a
+    # warning that auth is *off* still shows.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith("Token authentication is enabled")
+    )
 
 
 def _warnings_and_above(record: logging.LogRecord) -> bool:
