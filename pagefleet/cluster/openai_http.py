@@ -45,6 +45,8 @@ from pagefleet.cluster.ingress import (
     IngressError,
     StreamDelta,
 )
+from pagefleet.worker.chat import ChatTemplateError
+from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -226,20 +228,11 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
 
 
 def chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str | list[int]:
-    """The prompt of a chat: the tokenizer's chat template when it has one.
-
-    Without a template (the built-in tiny model), one line per message,
-    ``"{role}: {content}\\n"``, then ``"assistant:"`` for the model to continue.
-    With a template the result is token ids, so the special tokens the
-    template writes are not added a second time by `encode`.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # templates raise their own errors (e.g. role order)
-            raise _invalid(f"messages do not fit the model's chat template: {exc}") from exc
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    """The prompt of a chat (the model's chat template; see `pagefleet.worker.chat`)."""
+    try:
+        return worker_chat_prompt(messages, tokenizer)
+    except ChatTemplateError as exc:
+        raise _invalid(str(exc)) from exc
 
 
 def visible_pools(config: ClusterConfig, tenant: TenantConfig) -> list[str]:

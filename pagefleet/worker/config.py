@@ -9,6 +9,9 @@ from pagefleet.worker.block_pool import is_valid_block_size
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The one default dtype: `LLM`, `EngineConfig`, pools, `pagefleet generate` and
+# `pagefleet plan` all start from it, so a plan's capacity is the engine's.
+DEFAULT_DTYPE = "float32"
 
 # Without a GPU there is no free memory to measure; this many bytes of KV pool
 # is plenty for the built-in model and small enough for any laptop.
@@ -37,7 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1024 * 1024 * 1024
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
