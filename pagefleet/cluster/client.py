@@ -25,6 +25,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "logprobs",
 )
 
 

@@ -124,6 +124,8 @@ class StreamDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With SamplingParams.logprobs: [token_id, logprob, [[id, logprob], ...]] per token.
+    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -303,6 +305,7 @@ class Ingress:
                             prompt_tokens=prompt_tokens,
                             completion_tokens=len(streamed),
                             cached_tokens=cached_tokens or 0,
+                            logprobs=item.get("logprobs"),
                         )
                         if finish is not None:
                             finished = True

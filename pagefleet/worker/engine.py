@@ -25,7 +25,7 @@ from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.outputs import RequestOutput
-from pagefleet.worker.sampler import sample
+from pagefleet.worker.sampler import sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
 
@@ -239,6 +239,7 @@ class LLMEngine:
             [s.request.params for s in sampled],
             [s.generator for s in sampled],
         )
+        self._record_logprobs(logits, rows, sampled, tokens)
         for seq, token in zip(sampled, tokens, strict=True):
             self._append_token(seq, token)
             outputs.append(self._delta(seq))
@@ -247,6 +248,23 @@ class LLMEngine:
                 if seq.request.finished:
                     self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def _record_logprobs(
+        self, logits: torch.Tensor, rows: list[int], sampled: list[Sequence], tokens: list[int]
+    ) -> None:
+        """Append each sampled token's logprobs to the sequences that asked for them."""
+        wanted = [i for i, seq in enumerate(sampled) if seq.logprobs is not None]
+        if not wanted:
+            return
+        entries = token_logprobs(
+            logits[[rows[i] for i in wanted]],
+            [tokens[i] for i in wanted],
+            [sampled[i].request.params.logprobs or 0 for i in wanted],
+        )
+        for i, entry in zip(wanted, entries, strict=True):
+            seq_logprobs = sampled[i].logprobs
+            assert seq_logprobs is not None
+            seq_logprobs.append(entry)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
@@ -289,7 +307,8 @@ class LLMEngine:
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         output_ids = seq.output_token_ids
-        new_ids = output_ids[seq.num_emitted_tokens :]
+        emitted = seq.num_emitted_tokens
+        new_ids = output_ids[emitted:]
         seq.num_emitted_tokens = len(output_ids)
         new_text = ""
         text = ""
@@ -306,6 +325,8 @@ class LLMEngine:
             text=text,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.request.num_cached_tokens,
+            new_logprobs=None if seq.logprobs is None else seq.logprobs[emitted:],
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
         )
 
     # -------------------------------------------------------------- inspection

@@ -84,9 +84,11 @@ class LLM:
             completions = [finals[(request_id, i)] for i in range(p.n)]
             first = completions[0]
             first.outputs = [
-                CompletionOutput(c.index, c.token_ids, c.text, c.finish_reason) for c in completions
+                CompletionOutput(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs)
+                for c in completions
             ]
             first.new_token_ids, first.new_text = first.token_ids, first.text
+            first.new_logprobs = first.logprobs
             results.append(first)
         return results
 

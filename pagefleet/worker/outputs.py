@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token and of the most likely alternatives.
+
+    `top` holds `(token_id, logprob)` of the `SamplingParams.logprobs` most
+    likely tokens, most likely first (it may include the sampled token).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     """One finished (or in-progress) completion of a request; `n > 1` gives several."""
@@ -13,6 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -24,7 +38,9 @@ class RequestOutput:
     `text` everything generated so far. `finish_reason` is None while the
     completion runs, then "stop" (EOS, a stop token or a stop string),
     "length" (`max_tokens`) or "abort". `num_cached_tokens` counts prompt
-    tokens served from the prefix cache at admission.
+    tokens served from the prefix cache at admission. With
+    `SamplingParams.logprobs` set, `new_logprobs` / `logprobs` hold one
+    `TokenLogprob` per token of `new_token_ids` / `token_ids` (else None).
 
     `LLM.generate()` returns one per prompt: the fields describe completion 0
     and `outputs` holds all `n` completions, ordered by index.
@@ -40,6 +56,8 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
