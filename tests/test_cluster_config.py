@@ -102,6 +102,18 @@ def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() 
     assert cfg.tenant_for_api_key(None) is None
 
 
+def test_any_key_is_the_open_tenant_when_no_tenant_has_a_key() -> None:
+    cfg = ClusterConfig.default()
+    assert cfg.tenant_for_api_key("x") == cfg.tenant_for_api_key(None) == cfg.tenant("default")
+
+
+def test_unknown_key_is_refused_once_any_tenant_has_a_key() -> None:
+    tenants = [{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1"}]
+    cfg = ClusterConfig.from_dict(config(tenants=tenants))
+    assert cfg.tenant_for_api_key(None) == cfg.tenant("open")
+    assert cfg.tenant_for_api_key("k2") is None
+
+
 def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:
     cfg = ClusterConfig.from_dict(
         config(

@@ -10,7 +10,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 
 def test_generate_prints_the_greedy_completion(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["generate", "Once upon a time", "--max-tokens", "12", "--ignore-eos"])
+    code = main(
+        ["generate", "Once upon a time", "--model", "tiny", "--max-tokens", "12", "--ignore-eos"]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     expected = LLM(model="tiny", num_kv_blocks=16).generate(

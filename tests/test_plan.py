@@ -14,7 +14,8 @@ import torch
 
 from pagefleet.cli import main
 from pagefleet.worker.capacity import CapacityPlan, format_bytes, parse_bytes
-from pagefleet.worker.kv_cache import ModelShape
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.kv_cache import ModelShape, parse_dtype
 
 # A Llama-3-8B-like shape: 32 layers, 8 KV heads of 128 -> 128 KiB per fp16 token.
 CONFIG = {
@@ -36,7 +37,9 @@ def config_json(tmp_path: Path) -> Path:
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(["plan", *args])
+    # The figures below are worked out for a float16 cache; the default is tested apart.
+    dtype = [] if "--dtype" in args else ["--dtype", "float16"]
+    code = main(["plan", *args, *dtype])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -199,6 +202,8 @@ def test_plan_runs_as_a_real_process(config_json: Path) -> None:
             str(config_json),
             "--budget",
             "1GiB",
+            "--dtype",
+            "float16",
         ],
         capture_output=True,
         text=True,
@@ -207,3 +212,12 @@ def test_plan_runs_as_a_real_process(config_json: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "tokens that fit" in done.stdout and "8,192" in done.stdout
+
+
+def test_plan_defaults_to_the_engines_dtype(
+    capsys: pytest.CaptureFixture[str], config_json: Path
+) -> None:
+    code = main(["plan", "--model", str(config_json), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    engine_bytes = ModelShape(32, 8, 128, parse_dtype(EngineConfig().dtype)).bytes_per_token
+    assert code == 0 and out["bytes_per_token"] == engine_bytes

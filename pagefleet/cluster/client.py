@@ -27,6 +27,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "logprobs",
 )
 
 

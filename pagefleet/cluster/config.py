@@ -33,7 +33,7 @@ import yaml
 from pagefleet.cluster.router import RouterConfig
 from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.worker.block_pool import is_valid_block_size
-from pagefleet.worker.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from pagefleet.worker.config import DEFAULT_DTYPE, DTYPES, PREEMPTION_MODES, EngineConfig
 
 SCHEDULER_POLICIES = ("watermark", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -94,7 +94,7 @@ class PoolConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int | None = None
     kv_offload_bytes: int | None = None  # YAML `kv_offload: 4GiB`: host tier per worker
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     num_gpus_per_worker: float | None = None
 
@@ -422,8 +422,12 @@ class ClusterConfig:
         raise KeyError(f"unknown tenant {name!r}")
 
     def tenant_for_api_key(self, key: str | None) -> TenantConfig | None:
-        """The tenant this key authenticates; no key means the keyless tenant, if any."""
-        if not key:
+        """The tenant this key authenticates; no key means the keyless tenant, if any.
+
+        With no keyed tenant at all, any key (or none) is the open tenant, so
+        clients that must send some key (the `openai` package) work unchanged.
+        """
+        if not key or all(t.api_key is None for t in self.tenants):
             return next((t for t in self.tenants if t.api_key is None), None)
         encoded = key.encode()
         match = None

@@ -91,6 +91,7 @@ def request_from_proto(
         "stop": tuple(s.stop),
         "stop_token_ids": tuple(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
+        "logprobs": s.logprobs if s.HasField("logprobs") else None,
     }
     try:
         return GenerationRequest.create(
@@ -114,6 +115,10 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
         finish_reason=delta.finish_reason or "",
         worker_id=delta.worker_id,
     )
+    for token_id, logprob, top in delta.logprobs or ():
+        entry = msg.logprobs.add(token_id=token_id, logprob=logprob)
+        for alt_id, alt_logprob in top:
+            entry.top_logprobs.add(token_id=alt_id, logprob=alt_logprob)
     if delta.finish_reason:
         msg.usage.prompt_tokens = delta.prompt_tokens
         msg.usage.completion_tokens = delta.completion_tokens

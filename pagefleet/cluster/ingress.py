@@ -175,6 +175,8 @@ class StreamDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With SamplingParams.logprobs: [token_id, logprob, [[id, logprob], ...]] per token.
+    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -364,6 +366,7 @@ class Ingress:
                             prompt_tokens=prompt_tokens,
                             completion_tokens=len(streamed),
                             cached_tokens=cached_tokens or 0,
+                            logprobs=item.get("logprobs"),
                         )
                         if finish is not None:
                             finished = True
@@ -629,6 +632,11 @@ class Ingress:
         if not isinstance(prompt, str):
             return list(prompt)
         tokenizer = self._tokenizer(pool)
+        if tokenizer is None:
+            raise IngressError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"pool {pool.name!r} serves a model without a tokenizer: send prompt_token_ids",
+            )
         return [int(t) for t in tokenizer.encode(prompt)]  # as LLMEngine does
 
     def tokenizer(self, pool: str) -> Any:
@@ -811,12 +819,10 @@ _BLOCK_FIELDS = (
 
 
 def load_tokenizer(model: str) -> Any:
-    """The HF tokenizer of a pool's model ("tiny" or a local checkpoint directory)."""
-    from transformers import AutoTokenizer
+    """The HF tokenizer of a pool's model, resolved as the workers do (None: it has none)."""
+    from pagefleet.worker import model_files
 
-    from pagefleet.worker.model_runner import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+    return model_files.load_tokenizer(model_files.resolve_model_path(model))
 
 
 def _worker_status(slot: WorkerSlot) -> dict[str, Any]:

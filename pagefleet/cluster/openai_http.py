@@ -48,6 +48,8 @@ from pagefleet.cluster.ingress import (
     IngressError,
     StreamDelta,
 )
+from pagefleet.worker.chat import ChatTemplateError
+from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,6 @@ DEFAULT_TEMPERATURE = 1.0
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "suffix": lambda v: v is None,
     "presence_penalty": lambda v: v in (None, 0),
     "frequency_penalty": lambda v: v in (None, 0),
@@ -145,6 +145,7 @@ def _sampling(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
         raise _invalid(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}")
     ignore_eos = _typed(body, "ignore_eos", bool, "a boolean")
     return {
+        "logprobs": _logprobs(body, chat=chat),
         "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         "temperature": DEFAULT_TEMPERATURE if temperature is None else float(temperature),
         "top_p": 1.0 if top_p is None else float(top_p),
@@ -155,6 +156,17 @@ def _sampling(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
         "stop_token_ids": tuple(stop_token_ids),
         "ignore_eos": bool(ignore_eos),
     }
+
+
+def _logprobs(body: Mapping[str, Any], *, chat: bool) -> int | None:
+    """SamplingParams.logprobs: completions `logprobs: k`; chat `logprobs: true` + `top_logprobs: k`."""
+    if not chat:
+        return _typed(body, "logprobs", int, "an integer (alternatives per token)")  # type: ignore[no-any-return]
+    wanted = _typed(body, "logprobs", bool, "a boolean")
+    top = _typed(body, "top_logprobs", int, "an integer")
+    if top is not None and not wanted:
+        raise _invalid("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 def _is_int(value: Any) -> bool:
@@ -229,20 +241,11 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
 
 
 def chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str | list[int]:
-    """The prompt of a chat: the tokenizer's chat template when it has one.
-
-    Without a template (the built-in tiny model), one line per message,
-    ``"{role}: {content}\\n"``, then ``"assistant:"`` for the model to continue.
-    With a template the result is token ids, so the special tokens the
-    template writes are not added a second time by `encode`.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # templates raise their own errors (e.g. role order)
-            raise _invalid(f"messages do not fit the model's chat template: {exc}") from exc
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    """The prompt of a chat (the model's chat template; see `pagefleet.worker.chat`)."""
+    try:
+        return worker_chat_prompt(messages, tokenizer)
+    except ChatTemplateError as exc:
+        raise _invalid(str(exc)) from exc
 
 
 def resolve_pool(config: ClusterConfig, model: str, tenant: TenantConfig) -> str:
@@ -295,6 +298,43 @@ class _Format:
     request_id: str
     model: str
     created: int
+    tokenizer: Any = None  # renders logprob tokens as text; None: no logprobs asked for
+
+    def logprobs(self, entries: list[Any] | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for `[token_id, logprob, [[id, logprob], ...]]` entries."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        **self._token(token_id, logprob),
+                        "top_logprobs": [self._token(i, lp) for i, lp in top],
+                    }
+                    for token_id, logprob, top in entries
+                ],
+                "refusal": None,
+            }
+        tokens = [self._text(token_id) for token_id, _, _ in entries]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [{self._text(i): lp for i, lp in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    def _text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return str(token_id)
+        return str(self.tokenizer.decode([token_id]))
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         if self.chat:
@@ -303,16 +343,25 @@ class _Format:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def final(self, text: str, last: StreamDelta) -> dict[str, Any]:
+    def final(
+        self, text: str, last: StreamDelta, logprobs: list[Any] | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=last.finish_reason)
+        choice.update(logprobs=self.logprobs(logprobs), finish_reason=last.finish_reason)
         return {**self._head(chunk=False), "choices": [choice], "usage": usage(last)}
 
-    def chunk(self, text: str, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        *,
+        first: bool = False,
+        logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
@@ -321,7 +370,7 @@ class _Format:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=self.logprobs(logprobs), finish_reason=finish_reason)
         return {**self._head(chunk=True), "choices": [choice]}
 
     def usage_chunk(self, last: StreamDelta) -> dict[str, Any]:
@@ -403,15 +452,18 @@ class GenerationResponse(Response):
         self, first: StreamDelta, deltas: AsyncIterator[StreamDelta], send: Send
     ) -> None:
         parts = [first.text]
+        logprobs = None if first.logprobs is None else list(first.logprobs)
         last = first
         try:
             async for delta in deltas:
                 parts.append(delta.text)
+                if logprobs is not None:
+                    logprobs.extend(delta.logprobs or ())
                 last = delta
         except IngressError as exc:
             await _send_error(send, exc)
             return
-        await _send_json(send, 200, self._fmt.final("".join(parts), last))
+        await _send_json(send, 200, self._fmt.final("".join(parts), last, logprobs))
 
     async def _send_stream(
         self, first: StreamDelta, deltas: AsyncIterator[StreamDelta], send: Send
@@ -434,8 +486,11 @@ class GenerationResponse(Response):
             while delta is not None:
                 last = delta
                 # A token that ends inside a multi-byte character has no text yet.
-                if delta.text or delta.finish_reason is not None:
-                    await body(_sse(self._fmt.chunk(delta.text, delta.finish_reason)))
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    chunk = self._fmt.chunk(
+                        delta.text, delta.finish_reason, logprobs=delta.logprobs
+                    )
+                    await body(_sse(chunk))
                 delta = await anext(deltas, None)
         except IngressError as exc:  # mid-stream (e.g. no worker left after a failover)
             await body(_sse(error_body(exc.code, exc.message)))
@@ -615,7 +670,10 @@ class _OpenAIApi:
             return error_response(exc)
         except _BodyError as exc:
             return JSONResponse(error_body(ErrorCode.INVALID_ARGUMENT, str(exc)), status_code=exc.status)
-        fmt = _Format(chat, request_id, parsed.model or pool, int(time.time()))
+        tokenizer = (
+            self._ingress.tokenizer(pool) if parsed.sampling["logprobs"] is not None else None
+        )
+        fmt = _Format(chat, request_id, parsed.model or pool, int(time.time()), tokenizer)
         return GenerationResponse(
             self._drain.generate(req), fmt, stream=parsed.stream, include_usage=parsed.include_usage
         )

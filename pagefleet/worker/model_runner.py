@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
+from pagefleet.worker.model_files import check_weights, load_tokenizer, resolve_model_path
 from pagefleet.worker.paged_attention_hf import (
     ATTN_IMPLEMENTATION,
     METADATA_KWARG,
@@ -88,21 +89,6 @@ class StepBatch:
                     f"sequence {i}: {q_len} new tokens with context_len {self.context_lens[i]}; "
                     f"need 1 <= new tokens <= context_len"
                 )
-
-
-def resolve_model_path(model: str | Path) -> Path:
-    """`"tiny"` -> the built-in model (built on first use); anything else must be a local dir."""
-    if str(model) == "tiny":
-        from pagefleet.worker.tiny_model import ensure_tiny_model
-
-        return ensure_tiny_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {str(model)!r} is not 'tiny' or a local directory with a config.json "
-            f"(nothing is downloaded)"
-        )
-    return path
 
 
 def check_supported(config: Any) -> tuple[int | None, ...]:
@@ -190,7 +176,7 @@ class ModelRunner:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         self.dtype = parse_dtype(dtype)
@@ -206,6 +192,7 @@ class ModelRunner:
                 f"cannot read {self.model_path}/config.json: {exc}"
             ) from exc
         self.sliding_windows = check_supported(self.hf_config)
+        check_weights(self.model_path)
         register_paged_attention()
         # A server's log is no place for a progress bar per worker start.
         hf_logging.disable_progress_bar()
@@ -218,7 +205,8 @@ class ModelRunner:
         self.hf_config = self.model.config
         self._base_model = getattr(self.model, self.model.base_model_prefix)
         self._lm_head = self.model.get_output_embeddings()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # None when the directory ships no tokenizer: the model is then served from token ids.
+        self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None
 
     @property

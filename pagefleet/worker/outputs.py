@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token and of the most likely alternatives.
+
+    `top` holds `(token_id, logprob)` of the `SamplingParams.logprobs` most
+    likely tokens, most likely first (it may include the sampled token).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     """One finished (or in-progress) completion of a request; `n > 1` gives several."""
@@ -13,6 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -26,6 +40,8 @@ class RequestOutput:
     "length" (`max_tokens`), "abort", or "error" with `error` saying why (the
     request alone failed, e.g. its logits were not finite; the engine goes on).
     `num_cached_tokens` counts prompt tokens served from the prefix cache at admission.
+    With `SamplingParams.logprobs` set, `new_logprobs` / `logprobs` hold one
+    `TokenLogprob` per token of `new_token_ids` / `token_ids` (else None).
 
     `LLM.generate()` returns one per prompt: the fields describe completion 0
     and `outputs` holds all `n` completions, ordered by index.
@@ -42,6 +58,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
 
 
@@ -66,3 +67,29 @@ def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """Log-probabilities of the sampled `tokens`, from the same `logits` rows `sample` read.
+
+    Row `i` gives `tokens[i]`'s log-probability under the model's distribution
+    (log-softmax of the raw logits, before temperature and filtering, as vLLM
+    reports by default) and the `num_top[i]` most likely tokens'.
+    """
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits.detach().to(device="cpu", dtype=torch.float32), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens)).unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_top)
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1) if k > 0 else (None, None)
+    out = []
+    for i, (token, logprob) in enumerate(zip(tokens, chosen, strict=True)):
+        top: tuple[tuple[int, float], ...] = ()
+        if top_values is not None and top_ids is not None and num_top[i] > 0:
+            ids = top_ids[i, : num_top[i]].tolist()
+            values = top_values[i, : num_top[i]].tolist()
+            top = tuple(zip(ids, values, strict=True))
+        out.append(TokenLogprob(int(token), float(logprob), top))
+    return out

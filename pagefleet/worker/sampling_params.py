@@ -18,6 +18,8 @@ MAX_STOP_TOKEN_IDS = 64
 # into torch's generator range, so a wider one would only cost time.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+# Most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,10 @@ class SamplingParams:
     Generation stops at `max_tokens`, at the model's EOS token unless
     `ignore_eos`, at any of `stop_token_ids` (the token is kept in
     `token_ids`), or when the text contains one of `stop` (the stop text is
-    not part of the output text).
+    not part of the output text). `logprobs=k` returns, per generated token,
+    its log-probability and those of the `k` most likely tokens (0: the
+    sampled token's only), from the model's distribution before temperature
+    and filtering; None returns none.
     """
 
     max_tokens: int = 16
@@ -43,6 +48,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -81,6 +87,14 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}"
+            )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")

@@ -22,6 +22,7 @@ from pagefleet.worker.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagefleet.worker.block_table import BlockTable
     from pagefleet.worker.detokenizer import IncrementalDetokenizer
+    from pagefleet.worker.outputs import TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -94,6 +95,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         self.num_emitted_tokens = 0  # generated tokens already reported in a delta
+        # One entry per generated token when the request asked for logprobs.
+        self.logprobs: list[TokenLogprob] | None = (
+            [] if request.params.logprobs is not None else None
+        )
         self.generator: torch.Generator | None = None
         if not request.params.greedy:
             # A private generator per sequence: its draws do not depend on batch mates.

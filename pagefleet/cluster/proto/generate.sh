@@ -8,5 +8,6 @@ python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. p
 # the package import is what the installed project needs.
 sed -i 's/^import pagefleet_pb2 as/from pagefleet.cluster.proto import pagefleet_pb2 as/' pagefleet_pb2_grpc.py
 # The stub is what mypy reads; bring it to the project's lint rules (X | None etc.).
-ruff check --fix --quiet pagefleet_pb2.pyi
-ruff format --quiet pagefleet_pb2.pyi
+# (pyproject excludes generated code from ruff even when named, hence the two flags.)
+ruff check --fix --quiet --no-force-exclude --exclude '' pagefleet_pb2.pyi
+ruff format --quiet --no-force-exclude --exclude '' pagefleet_pb2.pyi

@@ -11,6 +11,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class SamplingParams(_message.Message):
     __slots__ = (
         "ignore_eos",
+        "logprobs",
         "max_tokens",
         "seed",
         "stop",
@@ -27,6 +28,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -35,6 +37,7 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
+    logprobs: int
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -45,6 +48,7 @@ class SamplingParams(_message.Message):
         stop: _Iterable[str] | None = ...,
         stop_token_ids: _Iterable[int] | None = ...,
         ignore_eos: bool | None = ...,
+        logprobs: int | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
@@ -86,20 +90,53 @@ class Usage(_message.Message):
         cached_tokens: int | None = ...,
     ) -> None: ...
 
+class TopLogprob(_message.Message):
+    __slots__ = ("logprob", "token_id")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "token_id", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(
+        self,
+        token_id: int | None = ...,
+        logprob: float | None = ...,
+        top_logprobs: _Iterable[TopLogprob | _Mapping] | None = ...,
+    ) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("finish_reason", "request_id", "text", "token_ids", "usage", "worker_id")
+    __slots__ = (
+        "finish_reason",
+        "logprobs",
+        "request_id",
+        "text",
+        "token_ids",
+        "usage",
+        "worker_id",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
     worker_id: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     def __init__(
         self,
         request_id: str | None = ...,
@@ -108,6 +145,7 @@ class GenerateResponse(_message.Message):
         finish_reason: str | None = ...,
         usage: Usage | _Mapping | None = ...,
         worker_id: str | None = ...,
+        logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
     ) -> None: ...
 
 class AbortRequest(_message.Message):

