@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import NoWorkerAvailable, Router, RouterConfig
-from pagefleet.scheduler.state import ClusterView, WorkerView
+from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
@@ -298,11 +299,11 @@ def test_older_load_report_is_ignored() -> None:
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
 
 
-def test_apply_message_decodes_both_kinds() -> None:
+def test_delta_of_the_scheduler_view_carries_load_and_index() -> None:
     router, _ = make_router(2, policy="least_loaded")
-    router.apply_message(LoadReport("w0", "chat", 1, 0.0, 100, 10, 90, 0, 90).encode())
     hashes = hash_token_blocks(SYSTEM_A, BS)
-    router.apply_message(KVEventBatch("w0", 1, tuple(("stored", h) for h in hashes)).encode())
+    report = LoadReport("w0", "chat", 1, 0.0, 100, 10, 90, 0, 90)
+    router.apply_delta(WorkerDelta(WorkerInfo("w0", "chat", 100, BS), True, report, tuple(hashes)))
     assert router.matched_blocks("w0", hashes) == 8
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
 
@@ -314,26 +315,36 @@ def test_kv_event_gap_is_counted() -> None:
     assert router.index_gaps == 1
 
 
-def _view(generation: int, *workers: tuple[str, bool]) -> ClusterView:
-    return ClusterView(
-        generation,
-        1,
-        tuple(WorkerView(WorkerInfo(w, "chat", 100, BS), alive, None, 0.0) for w, alive in workers),
-    )
+def _delta(worker_id: str, alive: bool, *stored: bytes, gone: bool = False) -> WorkerDelta:
+    return WorkerDelta(WorkerInfo(worker_id, "chat", 100, BS), alive, None, stored, gone=gone)
 
 
-def test_view_adds_workers_and_sets_liveness() -> None:
+def test_view_delta_adds_workers_and_sets_liveness() -> None:
     router = Router(seed=0)
-    router.apply_view(_view(1, ("a", True), ("b", False)))
+    router.apply_delta(_delta("a", True))
+    router.apply_delta(_delta("b", False))
     assert router.workers("chat") == ["a", "b"]
     assert router.workers("chat", alive_only=True) == ["a"]
 
 
-def test_view_without_a_worker_keeps_routing_to_it() -> None:
+def test_view_delta_of_a_deregistered_worker_removes_it() -> None:
     router = Router(seed=0)
-    router.apply_view(_view(1, ("a", True)))
-    router.apply_view(_view(2))  # a restarted scheduler, before re-registration
-    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "a"
+    router.apply_delta(_delta("a", True))
+    router.apply_delta(_delta("a", False, gone=True))
+    assert router.workers("chat") == []
+
+
+def test_snapshot_rebuilds_the_index_and_keeps_workers_it_does_not_list() -> None:
+    router = Router(seed=0)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    view = FleetView(router, lambda _delta: None)
+    view.apply(ViewUpdate(1, 2, False, (_delta("a", True, *hashes), _delta("b", True, *hashes))))
+    # A restarted scheduler that so far knows only b: a's index is gone, a still routes.
+    view.apply(ViewUpdate(2, 1, True, (_delta("b", True, *hashes[:2]),)))
+    assert (view.generation, view.version) == (2, 1)
+    assert router.matched_blocks("a", hashes) == 0
+    assert router.matched_blocks("b", hashes) == 2
+    assert router.workers("chat", alive_only=True) == ["a", "b"]
 
 
 @settings(max_examples=60, deadline=None)

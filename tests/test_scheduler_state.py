@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.scheduler.state import ClusterState
-from pagefleet.worker.events import EventDecodeError, LoadReport, WorkerInfo
+from pagefleet.worker.events import EventDecodeError, KVEventBatch, LoadReport, WorkerInfo
 
 
 class FakeClock:
@@ -18,7 +20,10 @@ class FakeClock:
 
 
 def report(worker_id: str, seq: int = 1, *, free: int = 40, pool: str = "chat") -> LoadReport:
-    return LoadReport(worker_id, pool, seq, 0.0, 100, free, 100 - free - 10, 10, 60, num_running=2)
+    # Busy (2 running) and making progress: each report has streamed more tokens.
+    return LoadReport(
+        worker_id, pool, seq, 0.0, 100, free, 100 - free - 10, 10, 60, num_running=2, progress=seq
+    )
 
 
 @pytest.fixture
@@ -173,3 +178,123 @@ def test_blocks_to_evict_is_zero_above_the_low_watermark_or_without_watermarks(
     s.report(_full_report("w0", free=6, cached=30))
     assert s.blocks_to_evict("w0") == 0
     assert s.blocks_to_evict("ghost") == 0
+
+
+# ----- KV index, deltas, hung workers -------------------------------------------
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+def kv(worker_id: str, seq: int, *events: tuple[str, bytes], reset: bool = False, inc: str = "p1") -> KVEventBatch:
+    return KVEventBatch(worker_id, seq, events, reset=reset, incarnation=inc)
+
+
+def snapshot(worker_id: str, seq: int, *hashes: bytes, inc: str = "p1") -> KVEventBatch:
+    return kv(worker_id, seq, *(("stored", h) for h in hashes), reset=True, inc=inc)
+
+
+def test_first_events_of_an_incarnation_ask_for_a_snapshot(state: ClusterState) -> None:
+    result = state.push(report("w0"), kv("w0", 1, ("stored", H[0])))
+    assert result.registered and result.snapshot
+    assert not state.push(report("w0", 2), snapshot("w0", 2, H[0], H[1])).snapshot
+    assert state.cached_hashes("w0") == {H[0], H[1]}
+
+
+def test_sequence_gap_asks_for_a_snapshot_and_counts_the_gap(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0]))
+    assert not state.push(report("w0", 2), kv("w0", 2, ("stored", H[1]))).snapshot
+    assert state.push(report("w0", 3), kv("w0", 4, ("removed", H[0]))).snapshot
+    assert state.kv_gaps == 1
+
+
+def test_snapshot_measures_drift_and_corrects_the_index(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0], H[1]))
+    # The "removed" event of H[1] was lost; the next check finds one block of drift.
+    state.push(report("w0", 2), snapshot("w0", 2, H[0]))
+    assert state.index_drift() == 1
+    assert state.cached_hashes("w0") == {H[0]}
+    state.push(report("w0", 3), snapshot("w0", 3, H[0]))
+    assert state.index_drift() == 0
+
+
+def test_new_incarnation_drops_the_old_processes_hashes(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0], H[1]))
+    state.push(report("w0"), snapshot("w0", 1, H[2], inc="p2"))
+    assert state.cached_hashes("w0") == {H[2]}
+    assert state.index_drift() == 0
+
+
+def test_periodic_drift_check_asks_for_a_snapshot(clock: FakeClock) -> None:
+    s = ClusterState(clock=clock, index_check_interval_s=5.0)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.push(report("w0"), snapshot("w0", 1))
+    assert not s.push(report("w0", 2), kv("w0", 2)).snapshot
+    clock.now += 6.0
+    assert s.push(report("w0", 3), kv("w0", 3)).snapshot
+
+
+def test_busy_worker_without_progress_is_hung_and_leaves_routing(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    state.report(report("w0", 1))
+    for seq in range(2, 6):  # it keeps reporting, but streams nothing
+        clock.now += 1.0
+        state.report(dataclasses.replace(report("w0", seq), progress=1))
+    assert state.is_stalled("w0") and not state.is_alive("w0")
+    clock.now += 1.0
+    state.report(report("w0", 9))  # progress again
+    assert state.is_alive("w0")
+
+
+def test_silent_busy_worker_is_hung_before_its_report_deadline(clock: FakeClock) -> None:
+    s = ClusterState(report_timeout_s=10.0, stall_timeout_s=3.0, clock=clock)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.report(report("w0"))
+    clock.now += 4.0  # SIGSTOP: no report at all
+    assert s.is_stalled("w0") and not s.is_alive("w0")
+
+
+def test_idle_worker_is_never_hung(state: ClusterState, clock: FakeClock) -> None:
+    idle = dataclasses.replace(report("w0"), num_running=0)
+    state.report(idle)
+    clock.now += 2.5
+    state.report(dataclasses.replace(idle, seq=2))
+    clock.now += 2.5
+    assert state.is_alive("w0")
+
+
+def test_tick_publishes_a_liveness_change_caused_by_time(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    state.report(report("w0"))
+    cursor = state.version
+    clock.now += 4.0
+    assert state.tick() == 3  # every worker missed its deadline
+    update = state.updates_since(state.generation, cursor)
+    assert not update.snapshot
+    assert [(d.info.worker_id, d.alive) for d in update.deltas] == [
+        ("w0", False), ("w1", False), ("b0", False)
+    ]
+    assert state.tick() == 0
+
+
+def test_subscriber_gets_deltas_after_its_cursor(state: ClusterState) -> None:
+    cursor = state.version
+    state.push(report("w0"), snapshot("w0", 1, H[0]))
+    state.push(report("w0", 2), kv("w0", 2, ("stored", H[1]), ("removed", H[0])))
+    update = state.updates_since(state.generation, cursor)
+    assert update.version == cursor + 2 and not update.snapshot
+    assert [(d.stored, d.removed) for d in update.deltas] == [((H[0],), ()), ((H[1],), (H[0],))]
+    assert state.updates_since(state.generation, update.version).deltas == ()
+
+
+def test_fresh_or_lagging_subscriber_gets_a_snapshot(clock: FakeClock) -> None:
+    s = ClusterState(clock=clock, log_size=2)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.push(report("w0"), snapshot("w0", 1, H[0]))
+    s.push(report("w0", 2), kv("w0", 2, ("stored", H[1])))
+    for update in (s.updates_since(None, 0), s.updates_since(s.generation, 0)):
+        assert update.snapshot
+        assert [(d.info.worker_id, set(d.stored), d.reset) for d in update.deltas] == [
+            ("w0", {H[0], H[1]}, True)
+        ]

@@ -7,8 +7,9 @@ What runs where (one Ray cluster):
   machine without one), restartable, spread over the nodes.
 - `pagefleet-ingress`: a Ray Serve deployment (one replica) whose replica runs
   our own `grpc.aio` server (Generation + health + reflection), the OpenAI
-  HTTP server (uvicorn) and the Prometheus endpoint, and routes to the worker
-  actors directly with the local `Router`.
+  HTTP server (uvicorn) and the Prometheus endpoint, follows the scheduler's
+  view (versioned deltas) and routes to the worker actors directly with its
+  local `Router`.
 
 `start_cluster` creates all of it and returns a `RunningCluster` that knows the
 endpoints and shuts everything down again.
@@ -46,7 +47,7 @@ class IngressDeployment:
     """The Serve replica: one `Ingress` behind a gRPC server, the OpenAI HTTP server and /metrics.
 
     Serve runs this class's async constructor on the replica's event loop, so the
-    gRPC and HTTP servers, the worker polls and the Ray streaming calls share one loop.
+    gRPC and HTTP servers, the view subscription and the Ray streaming calls share one loop.
     """
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
@@ -55,11 +56,11 @@ class IngressDeployment:
         workers: dict[str, list[tuple[str, Any]]],
         grpc_port: int,
         metrics_port: int | None,
-        poll_interval_s: float = 0.1,
+        scheduler: Any,
         http_port: int | None = None,
     ) -> None:
         self.metrics = IngressMetrics()
-        self.ingress = Ingress(config, workers, poll_interval_s=poll_interval_s, metrics=self.metrics)
+        self.ingress = Ingress(config, workers, scheduler=scheduler, metrics=self.metrics)
         self.ingress.start()
         self.server, self.grpc_port = await start_grpc_server(
             self.ingress, config.server.host, grpc_port
@@ -171,7 +172,6 @@ def start_cluster(
     grpc_port: int | None = None,
     http_port: int | None = None,
     metrics_port: int | None = 0,
-    poll_interval_s: float = 0.1,
     ready_timeout_s: float = 300.0,
 ) -> RunningCluster:
     """Start (or join, with `address`) Ray, then the scheduler, the workers and the ingress.
@@ -200,6 +200,7 @@ def start_cluster(
         namespace=namespace,
         report_timeout_s=config.scheduler.report_timeout_s,
         eviction=config.scheduler.eviction_watermarks(),
+        stall_timeout_s=config.scheduler.stall_timeout_s,
     )
     workers = _start_workers(config, namespace)
     serve.start(http_options={"location": "NoServer"})
@@ -217,7 +218,7 @@ def start_cluster(
     if http_port is None:
         http_port = config.server.http_port
     handle = serve.run(
-        deployment.bind(config, workers, port, metrics_port, poll_interval_s, http_port),
+        deployment.bind(config, workers, port, metrics_port, scheduler, http_port),
         name=APP_NAME,
         route_prefix=None,
     )

@@ -190,9 +190,13 @@ class SchedulerConfig:
     wait_queue_size: int = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
+    # A worker with work that streams nothing this long leaves routing (hung).
+    stall_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        if not self.stall_timeout_s > 0:
+            _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
         if not self.report_interval_s > 0:
             _fail("report_interval_s", f"must be > 0, got {self.report_interval_s}")
         if not self.report_timeout_s > self.report_interval_s:

@@ -1,7 +1,9 @@
 """Prefix-affinity request router: a plain class, no Ray, no remote call per request.
 
 The router keeps, per worker, the set of block hashes that worker holds in
-its prefix cache, fed asynchronously by the worker's KV events. To route a
+its prefix cache, fed asynchronously: in serving by the central scheduler's
+view deltas (`apply_delta`, see `pagefleet.cluster.fleet_view`), in the
+simulator by KV event batches directly. To route a
 prompt it computes the prompt's chained block hashes (the workers' own
 function, salted by tenant), finds each live worker's longest cached prefix,
 and picks the lowest
@@ -25,11 +27,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet.worker.events import KVEventBatch, LoadReport, decode_message
+from pagefleet.worker.events import KVEventBatch, LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
-    from pagefleet.scheduler.state import ClusterView
+    from pagefleet.scheduler.state import WorkerDelta
 
 ROUTING_POLICIES = ("prefix_affinity", "round_robin", "least_loaded", "power_of_two")
 
@@ -231,28 +233,42 @@ class Router:
                 _clear_bit(confirmed, block_hash, bit)
                 _clear_bit(holders, block_hash, bit)
 
-    def apply_message(self, data: bytes) -> None:
-        """Decode a load report or KV event batch and apply it."""
-        message = decode_message(data)
-        if isinstance(message, LoadReport):
-            self.apply_load_report(message)
-        else:
-            self.apply_kv_events(message)
+    def apply_delta(self, delta: WorkerDelta) -> None:
+        """Apply one change of the scheduler's view: membership, liveness, load, index.
 
-    def apply_view(self, view: ClusterView) -> None:
-        """Sync membership, liveness and load from the scheduler's snapshot.
-
-        Workers missing from the view are kept as they are: a restarted
-        scheduler's view is empty until workers re-register, and routing must
-        go on meanwhile.
+        A delta of an unknown worker adds it; `gone` removes it. Stored and
+        removed hashes update the worker's bits in the index (a snapshot's
+        deltas follow `clear_index`, so their `stored` lists rebuild it).
         """
-        for wv in view.workers:
-            info = wv.info
-            if info.worker_id not in self._workers:
-                self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
-            self._workers[info.worker_id].alive = wv.alive
-            if wv.report is not None:
-                self.apply_load_report(wv.report)
+        info = delta.info
+        if delta.gone:
+            self.remove_worker(info.worker_id)
+            return
+        worker = self._workers.get(info.worker_id)
+        if worker is None:
+            self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
+            worker = self._workers[info.worker_id]
+        worker.alive = delta.alive
+        if delta.report is not None:
+            self.apply_load_report(delta.report)
+        bit = worker.bit
+        holders, confirmed, speculative = self._holders, self._confirmed, worker.speculative
+        for block_hash in delta.stored:
+            speculative.pop(block_hash, None)
+            confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
+            holders[block_hash] = holders.get(block_hash, 0) | bit
+        for block_hash in delta.removed:
+            speculative.pop(block_hash, None)
+            _clear_bit(confirmed, block_hash, bit)
+            _clear_bit(holders, block_hash, bit)
+
+    def clear_index(self) -> None:
+        """Forget every indexed hash (before applying a snapshot); workers and loads stay."""
+        self._holders = {}
+        self._confirmed = {}
+        self._expiries.clear()
+        for worker in self._workers.values():
+            worker.speculative.clear()
 
     # queries --------------------------------------------------------------------------
 

@@ -1,22 +1,44 @@
 """The central scheduler's view of the cluster: a plain class, wrapped by the Ray actor.
 
-Workers register (idempotently) and then send load reports on an interval. A
-worker that misses its report deadline is taken out of routing until its next
-report; it is not forgotten, because a slow worker usually comes back.
-The `generation` identifies this scheduler incarnation: after a restart it
-changes, and workers seeing a new generation (or being told they are
-unknown) register again, which rebuilds the view.
+This is the cluster's one source of truth for KV state. Workers register
+(idempotently) and then push, on an interval, a load report and the KV
+events (blocks stored / removed) since their previous push. Per worker the
+state keeps its latest report (free / live / cached / peak blocks, queues),
+its liveness and the set of block hashes it holds (the prefix index).
+
+Every KV batch carries the worker's incarnation and a sequence number. A gap
+or an unknown incarnation makes the state ask that worker for a snapshot
+(all hashes it holds), and so does a periodic check: comparing a snapshot
+with what the events built gives the index drift (blocks believed cached
+that the worker does not hold), exported so operators see it settle at 0.
+
+Liveness has three rules, evaluated on the scheduler's clock:
+- no push for `report_timeout_s`: dead (out of routing until it pushes again);
+- work (running or waiting requests) but no progress (tokens streamed) for
+  `stall_timeout_s`: hung, out of routing; the ingress moves its streams;
+- otherwise alive.
+
+Every change is a versioned `WorkerDelta`; subscribers (ingress replicas)
+ask for the deltas after their cursor and get a snapshot instead when they
+start, fall behind the bounded log, or see a new generation (a restarted
+scheduler). The `generation` identifies this scheduler incarnation: after a
+restart it changes, and workers seeing a new generation (or being told they
+are unknown) register again and send a snapshot, which rebuilds the view.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet.scheduler.policy import EvictionWatermarks, blocks_to_evict
-from pagefleet.worker.events import LoadReport, WorkerInfo
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
+
+# Deltas kept for subscribers that are behind; older cursors get a snapshot.
+DEFAULT_LOG_SIZE = 50_000
 
 
 @dataclass(frozen=True)
@@ -27,6 +49,9 @@ class WorkerView:
     alive: bool
     report: LoadReport | None
     last_report_at: float | None  # scheduler clock of the last accepted report (or registration)
+    stalled: bool = False
+    num_cached_hashes: int = 0
+    drift_blocks: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -73,8 +98,64 @@ class PoolCapacity:
     num_waiting: int
 
 
+@dataclass(frozen=True)
+class WorkerDelta:
+    """One change of one worker's state, as subscribers apply it.
+
+    Add `stored` to what is indexed for the worker and drop `removed`.
+    `reset`: the delta is part of a snapshot (`stored` is everything the
+    worker holds; the subscriber cleared its index first). `gone`: the worker
+    was deregistered; forget it.
+    """
+
+    info: WorkerInfo
+    alive: bool
+    report: LoadReport | None
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    reset: bool = False
+    gone: bool = False
+    stalled: bool = False
+    drift_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class ViewUpdate:
+    """The answer to a subscriber: deltas after its cursor, or a snapshot.
+
+    Apply `deltas` in order, then continue from `version`. With `snapshot`,
+    every worker appears once with `reset=True`.
+    """
+
+    generation: int
+    version: int
+    snapshot: bool
+    deltas: tuple[WorkerDelta, ...]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the state wants from a worker after its push."""
+
+    registered: bool  # False: unknown worker, it must register (and then send a snapshot)
+    snapshot: bool = False  # send all held hashes next time (gap, new incarnation, or drift check)
+
+
 class _Entry:
-    __slots__ = ("info", "last_seen", "report")
+    __slots__ = (
+        "checked_at",
+        "drift_blocks",
+        "has_work",
+        "hashes",
+        "incarnation",
+        "info",
+        "kv_seq",
+        "last_seen",
+        "progress",
+        "progress_at",
+        "published_alive",
+        "report",
+    )
 
     def __init__(self, info: WorkerInfo, now: float) -> None:
         self.info = info
@@ -82,35 +163,61 @@ class _Entry:
         # Registration counts as a sign of life: a fresh worker is routable before its
         # first report arrives.
         self.last_seen = now
+        self.incarnation: str | None = None
+        self.kv_seq: int | None = None  # None: no consistent index yet, a snapshot is due
+        self.hashes: set[bytes] = set()
+        self.checked_at = now
+        self.drift_blocks = 0
+        self.progress = 0
+        self.progress_at = now
+        self.has_work = False
+        self.published_alive = True
 
 
 class ClusterState:
-    """Which workers exist in which pool, their latest reports, and which are alive."""
+    """Workers per pool, their reports, liveness and held hashes; see the module docstring."""
 
     def __init__(
         self,
         *,
         report_timeout_s: float = 3.0,
+        stall_timeout_s: float = 3.0,
+        index_check_interval_s: float = 10.0,
         generation: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         eviction: EvictionWatermarks | None = None,
+        log_size: int = DEFAULT_LOG_SIZE,
     ) -> None:
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        if not index_check_interval_s > 0:
+            raise ValueError(f"index_check_interval_s must be > 0, got {index_check_interval_s}")
+        if log_size < 1:
+            raise ValueError(f"log_size must be >= 1, got {log_size}")
         self.report_timeout_s = report_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.index_check_interval_s = index_check_interval_s
         # None: no eviction ahead of need (workers still evict lazily on allocation).
         self.eviction = eviction
         self.generation = generation if generation is not None else secrets.randbits(62)
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
         self._version = 0
+        self._log: deque[WorkerDelta] = deque(maxlen=log_size)
+        # Counters for metrics: KV sequence gaps seen, snapshots applied.
+        self.kv_gaps = 0
+        self.snapshots = 0
+
+    # ----- membership -----------------------------------------------------
 
     def register_worker(self, info: WorkerInfo) -> int:
         """Add or refresh a worker (idempotent); returns this scheduler's generation."""
         entry = self._workers.get(info.worker_id)
         now = self._clock()
         if entry is None:
-            self._workers[info.worker_id] = _Entry(info, now)
+            entry = self._workers[info.worker_id] = _Entry(info, now)
         else:
             if entry.info.pool != info.pool:
                 raise ValueError(
@@ -121,15 +228,19 @@ class ClusterState:
             # A worker registers again after it restarted: its report seq starts over,
             # and its old report describes a process that is gone.
             entry.report = None
-        self._version += 1
+            entry.kv_seq = None
+        self._publish(entry)
         return self.generation
 
     def deregister_worker(self, worker_id: str) -> bool:
         """Forget a worker; False if it was unknown."""
-        if self._workers.pop(worker_id, None) is None:
+        entry = self._workers.pop(worker_id, None)
+        if entry is None:
             return False
-        self._version += 1
+        self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
+
+    # ----- pushes ---------------------------------------------------------
 
     def report(self, report: LoadReport) -> bool:
         """Record a load report; False when the worker is unknown (it must re-register).
@@ -140,10 +251,8 @@ class ClusterState:
         entry = self._workers.get(report.worker_id)
         if entry is None:
             return False
-        entry.last_seen = self._clock()
-        if report.supersedes(entry.report):
-            entry.report = report
-        self._version += 1
+        self._take_report(entry, report)
+        self._publish(entry)
         return True
 
     def report_bytes(self, worker_id: str, data: bytes) -> bool:
@@ -153,10 +262,115 @@ class ClusterState:
             raise ValueError(f"report from {worker_id!r} carries worker_id {report.worker_id!r}")
         return self.report(report)
 
+    def push(self, report: LoadReport, batch: KVEventBatch) -> PushResult:
+        """Record a worker's load report and KV events of one push (one delta)."""
+        if batch.worker_id != report.worker_id:
+            raise ValueError(
+                f"KV batch of {batch.worker_id!r} pushed with the report of {report.worker_id!r}"
+            )
+        entry = self._workers.get(report.worker_id)
+        if entry is None:
+            return PushResult(registered=False)
+        self._take_report(entry, report)
+        stored, removed, want_snapshot = self._take_kv(entry, batch)
+        self._publish(entry, stored, removed)
+        due = self._clock() - entry.checked_at >= self.index_check_interval_s
+        return PushResult(registered=True, snapshot=want_snapshot or due)
+
+    def _take_report(self, entry: _Entry, report: LoadReport) -> None:
+        now = self._clock()
+        entry.last_seen = now
+        if not report.supersedes(entry.report):
+            return
+        restarted = entry.report is None or entry.report.incarnation != report.incarnation
+        # The stall clock runs only while the worker has work and its count of streamed
+        # tokens stands still; a fresh process or an idle spell restarts it.
+        if restarted or report.progress > entry.progress or not entry.has_work:
+            entry.progress_at = now
+        entry.progress = report.progress
+        entry.has_work = report.num_running + report.num_waiting > 0
+        entry.report = report
+
+    def _take_kv(
+        self, entry: _Entry, batch: KVEventBatch
+    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], bool]:
+        """Apply a batch to the worker's hash set: (stored, removed, snapshot wanted).
+
+        Snapshots are published as the difference to what was indexed, so a
+        subscriber never has to rebuild a worker's index from scratch.
+        """
+        fresh = batch.incarnation != entry.incarnation
+        if batch.reset:
+            actual = {h for _, h in batch.events}
+            before = set() if fresh else entry.hashes
+            # A drift check: what the events built against what the worker holds. A new
+            # process starts from nothing, so it cannot drift.
+            consistent = entry.kv_seq is not None and not fresh
+            entry.drift_blocks = len(before - actual) if consistent else 0
+            stored, removed = tuple(actual - entry.hashes), tuple(entry.hashes - actual)
+            entry.hashes = actual
+            entry.incarnation = batch.incarnation
+            entry.kv_seq = batch.seq
+            entry.checked_at = self._clock()
+            self.snapshots += 1
+            return stored, removed, False
+        if fresh or entry.kv_seq is None:
+            # Events of a process whose index we never saw whole: apply them for what
+            # they are worth, and ask for the full picture.
+            removed_old: tuple[bytes, ...] = ()
+            if fresh:
+                removed_old, entry.hashes = tuple(entry.hashes), set()
+            entry.incarnation = batch.incarnation
+            entry.kv_seq = None
+            stored, removed = self._apply_events(entry, batch)
+            return stored, removed_old + removed, True
+        gap = batch.seq != entry.kv_seq + 1
+        if gap:
+            self.kv_gaps += 1
+        entry.kv_seq = batch.seq
+        stored, removed = self._apply_events(entry, batch)
+        return stored, removed, gap
+
+    @staticmethod
+    def _apply_events(entry: _Entry, batch: KVEventBatch) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        stored: list[bytes] = []
+        removed: list[bytes] = []
+        hashes = entry.hashes
+        for kind, block_hash in batch.events:
+            if kind == "stored":
+                hashes.add(block_hash)
+                stored.append(block_hash)
+            else:
+                hashes.discard(block_hash)
+                removed.append(block_hash)
+        return tuple(stored), tuple(removed)
+
+    # ----- liveness -------------------------------------------------------
+
     def is_alive(self, worker_id: str) -> bool:
-        """Registered and heard from within `report_timeout_s`."""
+        """Registered, heard from within `report_timeout_s`, and not hung."""
         entry = self._workers.get(worker_id)
-        return entry is not None and self._clock() - entry.last_seen <= self.report_timeout_s
+        return entry is not None and self._alive(entry, self._clock())
+
+    def is_stalled(self, worker_id: str) -> bool:
+        """Has work but streamed nothing for `stall_timeout_s` (KeyError if unknown)."""
+        return self._stalled(self._workers[worker_id], self._clock())
+
+    def _stalled(self, entry: _Entry, now: float) -> bool:
+        return entry.has_work and now - entry.progress_at > self.stall_timeout_s
+
+    def _alive(self, entry: _Entry, now: float) -> bool:
+        return now - entry.last_seen <= self.report_timeout_s and not self._stalled(entry, now)
+
+    def tick(self) -> int:
+        """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
+        now = self._clock()
+        changed = 0
+        for entry in self._workers.values():
+            if self._alive(entry, now) != entry.published_alive:
+                self._publish(entry)
+                changed += 1
+        return changed
 
     def alive_workers(self, pool: str) -> list[str]:
         """Ids of the pool's live workers."""
@@ -167,6 +381,8 @@ class ClusterState:
     def workers(self, pool: str | None = None) -> list[str]:
         """Ids of registered workers, optionally of one pool."""
         return [wid for wid, e in self._workers.items() if pool is None or e.info.pool == pool]
+
+    # ----- queries --------------------------------------------------------
 
     def blocks_to_evict(self, worker_id: str) -> int:
         """Cached blocks the worker should evict now, by its latest report and the watermarks.
@@ -181,6 +397,14 @@ class ClusterState:
     def latest_report(self, worker_id: str) -> LoadReport | None:
         """The worker's latest load report (None before the first; KeyError if unknown)."""
         return self._workers[worker_id].report
+
+    def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
+        """The hashes the scheduler believes the worker holds (KeyError if unknown)."""
+        return frozenset(self._workers[worker_id].hashes)
+
+    def index_drift(self) -> int:
+        """Blocks believed cached that workers did not hold, summed over each worker's last check."""
+        return sum(e.drift_blocks for e in self._workers.values())
 
     def capacity(self, pool: str) -> PoolCapacity:
         """Sums over the pool's live workers (a worker without a report counts its registered size as free)."""
@@ -202,9 +426,58 @@ class ClusterState:
         return PoolCapacity(pool, len(entries), len(live), total, free, used, cached, running, waiting)
 
     def view(self) -> ClusterView:
-        """An immutable snapshot for routers (liveness evaluated now)."""
+        """An immutable snapshot for status pages and tests (liveness evaluated now)."""
+        now = self._clock()
         workers = tuple(
-            WorkerView(e.info, self.is_alive(wid), e.report, e.last_seen)
-            for wid, e in self._workers.items()
+            WorkerView(
+                e.info, self._alive(e, now), e.report, e.last_seen, self._stalled(e, now),
+                len(e.hashes), e.drift_blocks,
+            )
+            for e in self._workers.values()
         )
         return ClusterView(self.generation, self._version, workers)
+
+    # ----- subscriptions --------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Deltas published so far by this incarnation."""
+        return self._version
+
+    def updates_since(self, generation: int | None, cursor: int) -> ViewUpdate:
+        """Deltas after `cursor`, or a snapshot when the subscriber cannot continue from it."""
+        oldest = self._version - len(self._log)  # the first kept delta has version oldest + 1
+        if generation != self.generation or not oldest <= cursor <= self._version:
+            return self.snapshot()
+        start = cursor - oldest
+        deltas = tuple(self._log[i] for i in range(start, len(self._log)))
+        return ViewUpdate(self.generation, self._version, False, deltas)
+
+    def snapshot(self) -> ViewUpdate:
+        """Every worker's full state (index included) at the current version."""
+        now = self._clock()
+        deltas = tuple(
+            WorkerDelta(
+                e.info, self._alive(e, now), e.report, tuple(e.hashes), (), True, False,
+                self._stalled(e, now), e.drift_blocks,
+            )
+            for e in self._workers.values()
+        )
+        return ViewUpdate(self.generation, self._version, True, deltas)
+
+    def _publish(
+        self, entry: _Entry, stored: tuple[bytes, ...] = (), removed: tuple[bytes, ...] = ()
+    ) -> None:
+        now = self._clock()
+        alive = self._alive(entry, now)
+        entry.published_alive = alive
+        self._append(
+            WorkerDelta(
+                entry.info, alive, entry.report, stored, removed, False, False,
+                self._stalled(entry, now), entry.drift_blocks,
+            )
+        )
+
+    def _append(self, delta: WorkerDelta) -> None:
+        self._version += 1
+        self._log.append(delta)

@@ -6,15 +6,20 @@ build time. The engine loop runs in the background of the actor's event loop;
 each `generate` call is one Ray streaming generator, so many streams share
 one worker.
 
-Load reports and KV events leave the worker two ways, both msgpack
-(`pagefleet.worker.events`): the ingress pulls them with `poll()` (the
-router's index of cached hashes), and the worker pushes load reports to the
-central scheduler every `report_interval_s` (capacity view, liveness).
+Load reports and KV events leave the worker one way: every
+`report_interval_s` the worker pushes both (msgpack, `pagefleet.worker.events`)
+to the central scheduler, which holds the cluster's one view and fans it out
+to the ingress replicas. Each KV batch carries the incarnation and a sequence
+number; the first batch of an incarnation, and any batch the scheduler asks
+for (after a gap, or to measure drift), is a snapshot of every held hash.
+The report loop starts with the actor, so a worker Ray restarted rejoins
+without anyone calling it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -63,7 +68,10 @@ class WorkerActor:
         self._scheduler_namespace = scheduler_namespace
         self._report_seq = 0
         self._kv_seq = 0
+        self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
         self._reporter: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
+            self._ensure_reporter()
 
     # ----- requests -----------------------------------------------------
 
@@ -86,6 +94,7 @@ class WorkerActor:
                 request_id, prompt, params, priority=priority, salt=salt
             )
             async for out in stream:
+                self._progress += len(out.new_token_ids) or 1
                 yield _delta(out)
         except RequestError as exc:
             yield {"error": str(exc)}
@@ -115,21 +124,6 @@ class WorkerActor:
         """The engine's pool and queue counters (`LLMEngine.stats()`)."""
         return dict(self._engine.stats())
 
-    async def poll(self) -> tuple[str, bytes, bytes]:
-        """(incarnation, LoadReport bytes, KVEventBatch bytes) since the previous poll.
-
-        The first batch of every incarnation has `reset=True`: a restarted
-        worker's cache is empty, so the router must forget what it indexed.
-        """
-
-        self._ensure_reporter()
-        report = self._load_report()
-        batch = KVEventBatch.from_engine(
-            self.worker_id, self._kv_seq, self._engine.drain_kv_events(), reset=self._kv_seq == 0
-        )
-        self._kv_seq += 1
-        return self.incarnation, report, batch.encode()
-
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` LRU cached blocks between two engine steps; returns how many."""
         evicted = self._engine.evict_cached(n)
@@ -152,6 +146,18 @@ class WorkerActor:
             self._engine.stats(),
             tenant_live_blocks=self._engine.tenant_live_blocks(),
             incarnation=self.incarnation,
+            progress=self._progress,
+        ).encode()
+
+    def _kv_batch(self, snapshot: bool) -> bytes:
+        """The next KV batch: the events since the last one, or a snapshot of every held hash."""
+        self._kv_seq += 1
+        if snapshot:
+            events = [("stored", h) for h in self._engine.snapshot_kv()]
+        else:
+            events = self._engine.drain_kv_events()
+        return KVEventBatch.from_engine(
+            self.worker_id, self._kv_seq, events, reset=snapshot, incarnation=self.incarnation
         ).encode()
 
     def _ensure_reporter(self) -> None:
@@ -161,6 +167,7 @@ class WorkerActor:
     async def _report_loop(self) -> None:
         scheduler: Any = None
         generation: int | None = None
+        snapshot = True  # the scheduler has no consistent index of this incarnation yet
         while True:
             try:
                 if scheduler is None:
@@ -178,7 +185,11 @@ class WorkerActor:
                                 node_id=info["node_id"],
                             )
                         )
-                    ack = await scheduler.report.remote(self.worker_id, self._load_report())
+                        snapshot = True
+                    ack = await scheduler.push.remote(
+                        self.worker_id, self._load_report(), self._kv_batch(snapshot)
+                    )
+                    snapshot = ack.snapshot
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     elif ack.evict_blocks > 0:
@@ -188,9 +199,11 @@ class WorkerActor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # Serving never depends on the scheduler: skip this report, look it up again.
-                logger.debug("worker %s: scheduler report failed: %s", self.worker_id, exc)
+                # Serving never depends on the scheduler: skip this push, look it up again.
+                # The drained events may be lost with it, so the next batch is a snapshot.
+                logger.debug("worker %s: scheduler push failed: %s", self.worker_id, exc)
                 scheduler = None
+                snapshot = True
             await asyncio.sleep(self._report_interval_s)
 
 

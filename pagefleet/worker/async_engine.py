@@ -150,6 +150,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.drain_kv_events()
 
+    def snapshot_kv(self) -> list[bytes]:
+        """`LLMEngine.snapshot_kv`, between two steps."""
+        with self._lock:
+            return self.engine.snapshot_kv()
+
     def check_integrity(self) -> None:
         """The engine's consistency check, between steps."""
         with self._lock:

@@ -355,6 +355,10 @@ class BlockPool:
         self._events = {}
         return out
 
+    def registered_hashes(self) -> list[bytes]:
+        """Every hash registered now (live or cached): what the drained events add up to."""
+        return list(self._cached)
+
     # -------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:

@@ -346,6 +346,12 @@ class LLMEngine:
         """Prefix-cache events ("stored" | "removed", block hash) since the last drain."""
         return self.pool.drain_events()
 
+    def snapshot_kv(self) -> list[bytes]:
+        """Every registered block hash now, and the pending KV events dropped: a
+        receiver that replaces its index with this list is exactly in sync."""
+        self.pool.drain_events()
+        return self.pool.registered_hashes()
+
     def check_integrity(self) -> None:
         """Raise AssertionError unless pool and sequences agree block for block.
 

@@ -91,6 +91,9 @@ class LoadReport:
     # Identifies the worker process; `seq` restarts from 1 with each incarnation, so
     # receivers compare seq only within one incarnation.
     incarnation: str = ""
+    # Cumulative tokens this worker incarnation has streamed out: the scheduler's
+    # sign of progress (a worker with work whose count stands still is hung).
+    progress: int = 0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -133,6 +136,7 @@ class LoadReport:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "incarnation": self.incarnation,
+                "progress": self.progress,
             },
             use_bin_type=True,
         )
@@ -163,6 +167,7 @@ class LoadReport:
             prefix_hit_tokens=_get(obj, "prefix_hit_tokens", int),
             # optional: absent in reports from senders that predate it
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
+            progress=_get(obj, "progress", int) if "progress" in obj else 0,
         )
 
     @classmethod
@@ -176,6 +181,7 @@ class LoadReport:
         tenant_live_blocks: Mapping[str, int] | None = None,
         timestamp: float | None = None,
         incarnation: str = "",
+        progress: int = 0,
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -222,6 +228,7 @@ class LoadReport:
             prefix_query_tokens=pick("prefix_query_tokens"),
             prefix_hit_tokens=pick("prefix_hit_tokens"),
             incarnation=incarnation,
+            progress=progress,
         )
 
 
@@ -230,15 +237,19 @@ class KVEventBatch:
     """The KV events one worker drained since its previous batch.
 
     ``events`` keeps the pool's drain order, which matters: a hash can be
-    stored, removed and stored again within one batch. ``reset`` tells the
-    receiver to forget everything it indexed for this worker first (sent by a
-    worker that (re)started with an empty cache).
+    stored, removed and stored again within one batch. ``reset`` makes the
+    batch a snapshot: the receiver forgets everything it indexed for this
+    worker, and ``events`` lists every hash the worker holds now as "stored"
+    (sent by a worker that (re)started, and whenever the scheduler asks after
+    a sequence gap or for its periodic drift check). ``seq`` counts batches
+    within one ``incarnation`` (a process of the worker), from 1.
     """
 
     worker_id: str
     seq: int
     events: tuple[tuple[str, bytes], ...] = ()
     reset: bool = False
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         for kind, _ in self.events:
@@ -253,9 +264,12 @@ class KVEventBatch:
         events: Iterable[tuple[str, bytes]],
         *,
         reset: bool = False,
+        incarnation: str = "",
     ) -> KVEventBatch:
-        """Wrap ``engine.drain_kv_events()`` output."""
-        return cls(worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset)
+        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot)."""
+        return cls(
+            worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset, incarnation
+        )
 
     def encode(self) -> bytes:
         """msgpack bytes; events as two parallel arrays to keep the message small."""
@@ -266,6 +280,7 @@ class KVEventBatch:
                 "worker_id": self.worker_id,
                 "seq": self.seq,
                 "reset": self.reset,
+                "incarnation": self.incarnation,
                 # 1 = stored, 0 = removed: a byte per event instead of a string
                 "ops": bytes(1 if kind == "stored" else 0 for kind, _ in self.events),
                 "hashes": [h for _, h in self.events],
@@ -294,6 +309,7 @@ class KVEventBatch:
             seq=_get(obj, "seq", int),
             events=events,
             reset=_get(obj, "reset", bool),
+            incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
         )
 
 
