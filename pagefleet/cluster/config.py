@@ -192,11 +192,15 @@ class SchedulerConfig:
     evict_high_watermark: float = 0.10
     # A worker with work that streams nothing this long leaves routing (hung).
     stall_timeout_s: float = 3.0
+    # How often each worker's index is compared with a snapshot (index drift metric).
+    index_check_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
         if not self.stall_timeout_s > 0:
             _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
+        if not self.index_check_interval_s > 0:
+            _fail("index_check_interval_s", f"must be > 0, got {self.index_check_interval_s}")
         if not self.report_interval_s > 0:
             _fail("report_interval_s", f"must be > 0, got {self.report_interval_s}")
         if not self.report_timeout_s > self.report_interval_s:
@@ -230,14 +234,17 @@ class ServerConfig:
     """Where the ingress listens.
 
     `grpc_port` serves `pagefleet.v1.Generation`; `http_port` the OpenAI HTTP
-    API (`null` disables it). Port 0 picks a free port.
+    API (`null` disables it). Port 0 picks a free port. `ingress_replicas`
+    Serve replicas of the ingress share these ports (SO_REUSEPORT).
     """
 
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     http_port: int | None = DEFAULT_HTTP_PORT
+    ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
+        _at_least("ingress_replicas", self.ingress_replicas, 1)
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:

@@ -36,8 +36,11 @@ RETRY_S = 0.2
 class FleetView:
     """Applies the scheduler's `ViewUpdate`s to a router and a per-worker callback."""
 
-    def __init__(self, router: Router, on_delta: Callable[[WorkerDelta], None]) -> None:
+    def __init__(
+        self, router: Router, on_delta: Callable[[WorkerDelta], None], replica_id: str = ""
+    ) -> None:
         self.router = router
+        self.replica_id = replica_id
         self._on_delta = on_delta
         self.generation: int | None = None
         self.version = 0
@@ -66,7 +69,9 @@ class FleetView:
         """Long-poll `scheduler` (an actor handle) forever, applying every answer."""
         while True:
             try:
-                update = await scheduler.subscribe.remote(self.generation, self.version, LONG_POLL_S)
+                update = await scheduler.subscribe.remote(
+                    self.generation, self.version, LONG_POLL_S, self.replica_id
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # scheduler restarting or gone: keep the last view

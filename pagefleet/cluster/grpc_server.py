@@ -122,6 +122,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
             pool = self._ingress.tenant_pool(tenant, request.pool)
             req = request_from_proto(request, pool=pool, salt=tenant.cache_salt())
+            # Which ingress replica serves the stream (several share the port).
+            await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
             async for delta in self._ingress.generate(req):
                 yield delta_to_proto(delta)
         except IngressError as exc:
@@ -178,7 +180,9 @@ async def start_grpc_server(ingress: Ingress, host: str = "0.0.0.0", port: int =
     Must be called on the event loop that will serve the calls (the ingress's).
     Port 0 picks a free port.
     """
-    server = grpc.aio.server()
+    # SO_REUSEPORT: the ingress replicas of one node share the port; the kernel spreads
+    # connections over them.
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 1),))
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(ingress), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

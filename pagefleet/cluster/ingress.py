@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -208,9 +209,10 @@ class Ingress:
         self.config = config
         self.router = Router(config.router, seed=router_seed)
         self.metrics = metrics
-        self.replica_id = uuid.uuid4().hex[:12]
+        # The pid lets an operator (or a test) find the replica's process from a stream.
+        self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._scheduler = scheduler
-        self.fleet = FleetView(self.router, self._on_delta)
+        self.fleet = FleetView(self.router, self._on_delta, self.replica_id)
         self._slots: dict[str, WorkerSlot] = {}
         self._pools: dict[str, list[WorkerSlot]] = {}
         for pool in config.pools:

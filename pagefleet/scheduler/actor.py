@@ -50,6 +50,8 @@ class ReportAck:
     registered: bool
     evict_blocks: int = 0
     snapshot: bool = False  # send a snapshot of every held hash with the next push
+    # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
+    dead_replicas: tuple[str, ...] = ()
 
 
 class SchedulerActor:
@@ -110,15 +112,21 @@ class SchedulerActor:
         result = self._state.push(load, batch)
         self._wake()
         evict = self._state.blocks_to_evict(worker_id) if result.registered else 0
-        return ReportAck(self._state.generation, result.registered, evict, result.snapshot)
+        return ReportAck(
+            self._state.generation, result.registered, evict, result.snapshot,
+            self._state.dead_replicas(),
+        )
 
     async def subscribe(
-        self, generation: int | None, cursor: int, timeout_s: float = 5.0
+        self, generation: int | None, cursor: int, timeout_s: float = 5.0, replica_id: str = ""
     ) -> ViewUpdate:
         """Deltas after `cursor` (a snapshot when the subscriber cannot continue from it).
 
         Waits up to `timeout_s` for something new before answering with no deltas.
+        `replica_id` names the subscribing ingress replica: one that stops
+        subscribing is dead, and workers abort the requests it sent.
         """
+        self._state.note_replica(replica_id)
         update = self._state.updates_since(generation, cursor)
         if update.snapshot or update.deltas:
             return update

@@ -39,6 +39,8 @@ from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 # Deltas kept for subscribers that are behind; older cursors get a snapshot.
 DEFAULT_LOG_SIZE = 50_000
+# A dead ingress replica is announced to workers this long, then forgotten.
+DEAD_REPLICA_MEMORY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class ClusterState:
         # Counters for metrics: KV sequence gaps seen, snapshots applied.
         self.kv_gaps = 0
         self.snapshots = 0
+        self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
 
     # ----- membership -----------------------------------------------------
 
@@ -436,6 +439,24 @@ class ClusterState:
             for e in self._workers.values()
         )
         return ClusterView(self.generation, self._version, workers)
+
+    # ----- ingress replicas -----------------------------------------------
+
+    def note_replica(self, replica_id: str) -> None:
+        """An ingress replica subscribed: it is alive."""
+        if replica_id:
+            self._replicas[replica_id] = self._clock()
+
+    def dead_replicas(self) -> tuple[str, ...]:
+        """Replicas silent for `report_timeout_s`: workers abort the requests they sent.
+
+        Only replicas this incarnation has seen can be dead, so a restarted
+        scheduler never makes workers abort the streams of a live replica.
+        """
+        now = self._clock()
+        for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
+            del self._replicas[rid]
+        return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
 
     # ----- subscriptions --------------------------------------------------
 

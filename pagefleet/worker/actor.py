@@ -69,6 +69,7 @@ class WorkerActor:
         self._report_seq = 0
         self._kv_seq = 0
         self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
+        self._active: set[str] = set()  # ids of the requests streaming now
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
             self._ensure_reporter()
@@ -89,6 +90,7 @@ class WorkerActor:
         raising, so the caller can tell a client error from a worker failure.
         """
         self._ensure_reporter()
+        self._active.add(request_id)
         try:
             stream = self._engine.generate(
                 request_id, prompt, params, priority=priority, salt=salt
@@ -98,6 +100,8 @@ class WorkerActor:
                 yield _delta(out)
         except RequestError as exc:
             yield {"error": str(exc)}
+        finally:
+            self._active.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
@@ -190,6 +194,8 @@ class WorkerActor:
                         self.worker_id, self._load_report(), self._kv_batch(snapshot)
                     )
                     snapshot = ack.snapshot
+                    if ack.dead_replicas:
+                        self._abort_orphans(set(ack.dead_replicas))
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     elif ack.evict_blocks > 0:
@@ -205,6 +211,15 @@ class WorkerActor:
                 scheduler = None
                 snapshot = True
             await asyncio.sleep(self._report_interval_s)
+
+
+    def _abort_orphans(self, dead_replicas: set[str]) -> None:
+        """Abort the requests a dead ingress replica sent: nobody reads their streams."""
+        for request_id in list(self._active):
+            _, _, replica = request_id.rpartition("@")
+            if replica in dead_replicas:
+                logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
+                self._engine.abort(request_id)
 
 
 def _find_scheduler(namespace: str | None) -> Any:
