@@ -53,6 +53,10 @@ def report(worker_id: str, seq: int = 1) -> bytes:
     return LoadReport(worker_id, "chat", seq, 0.0, 64, 60, 4, 0, 4).encode()
 
 
+def no_events(worker_id: str, seq: int = 1) -> bytes:
+    return KVEventBatch(worker_id, seq, reset=True).encode()
+
+
 def wait_for_restart(handle: Any, old_generation: int) -> None:
     # ray.kill returns before the actor is gone; the handle's calls are retried
     # against the restarted actor, so poll until the new incarnation answers.
@@ -76,7 +80,7 @@ def test_starting_twice_returns_the_same_actor(scheduler: Any) -> None:
 
 def test_registered_worker_reports_and_appears_in_the_view(scheduler: Any) -> None:
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
-    ack = ray.get(scheduler.report.remote("w0", report("w0")))
+    ack = ray.get(scheduler.push.remote("w0", report("w0"), no_events("w0")))
     assert ack == ReportAck(generation, True)
     view = ray.get(scheduler.get_view.remote())
     assert [(w.worker_id, w.alive, w.report.free_blocks) for w in view.workers] == [
@@ -85,7 +89,7 @@ def test_registered_worker_reports_and_appears_in_the_view(scheduler: Any) -> No
 
 
 def test_unknown_worker_is_told_to_register(scheduler: Any) -> None:
-    ack = ray.get(scheduler.report.remote("ghost", report("ghost")))
+    ack = ray.get(scheduler.push.remote("ghost", report("ghost"), no_events("ghost")))
     assert ack.registered is False
 
 
@@ -95,12 +99,12 @@ def test_restarted_scheduler_has_a_new_generation_and_rebuilds_from_re_registrat
     first = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     ray.kill(scheduler, no_restart=False)
     wait_for_restart(scheduler, first)
-    ack = ray.get(scheduler.report.remote("w0", report("w0", 2)))
+    ack = ray.get(scheduler.push.remote("w0", report("w0", 2), no_events("w0")))
     assert ack.registered is False
     assert ack.generation != first
     assert ray.get(scheduler.get_view.remote()).workers == ()
     ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
-    assert ray.get(scheduler.report.remote("w0", report("w0", 3))).registered
+    assert ray.get(scheduler.push.remote("w0", report("w0", 3), no_events("w0"))).registered
 
 
 def test_no_scheduler_in_an_empty_namespace(ray_session: None) -> None:
@@ -111,7 +115,7 @@ def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(schedul
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     # 64 blocks, 1 free, 23 cached: under 5% free, so evict up to 10% (7 blocks) free.
     low = LoadReport("w0", "chat", 1, 0.0, 64, 1, 40, 23, 40).encode()
-    assert ray.get(scheduler.report.remote("w0", low)) == ReportAck(generation, True, 6)
+    assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(generation, True, 6)
 
 
 def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:

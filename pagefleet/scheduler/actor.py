@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from pagefleet.scheduler.policy import EvictionWatermarks
-from pagefleet.scheduler.state import ClusterState, ClusterView, PoolCapacity, ViewUpdate
+from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,6 @@ class SchedulerActor:
         self._wake()
         return found
 
-    async def report(self, worker_id: str, data: bytes) -> ReportAck:
-        """Accept a msgpack LoadReport alone; the ack says whether to re-register and what to evict."""
-        registered = self._state.report_bytes(worker_id, data)
-        self._wake()
-        evict = self._state.blocks_to_evict(worker_id) if registered else 0
-        return ReportAck(self._state.generation, registered, evict)
-
     async def push(self, worker_id: str, report: bytes, kv_events: bytes) -> ReportAck:
         """Accept one push of a worker: its msgpack LoadReport and KVEventBatch.
 
@@ -141,10 +134,6 @@ class SchedulerActor:
     async def generation(self) -> int:
         """This incarnation's id; changes whenever the actor is (re)started."""
         return self._state.generation
-
-    async def capacity(self, pool: str) -> PoolCapacity:
-        """Block and queue totals over the pool's live workers."""
-        return self._state.capacity(pool)
 
     async def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
         """The hashes the scheduler's index holds for a worker."""

@@ -86,21 +86,6 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
-class PoolCapacity:
-    """Block and queue totals over a pool's live workers."""
-
-    pool: str
-    workers: int
-    alive: int
-    total_blocks: int
-    free_blocks: int
-    live_blocks: int
-    cached_blocks: int
-    num_running: int
-    num_waiting: int
-
-
-@dataclass(frozen=True)
 class WorkerDelta:
     """One change of one worker's state, as subscribers apply it.
 
@@ -245,26 +230,6 @@ class ClusterState:
 
     # ----- pushes ---------------------------------------------------------
 
-    def report(self, report: LoadReport) -> bool:
-        """Record a load report; False when the worker is unknown (it must re-register).
-
-        Reports that arrive out of order (seq not above the last one of the
-        same incarnation) are dropped but still count as a sign of life.
-        """
-        entry = self._workers.get(report.worker_id)
-        if entry is None:
-            return False
-        self._take_report(entry, report)
-        self._publish(entry)
-        return True
-
-    def report_bytes(self, worker_id: str, data: bytes) -> bool:
-        """Decode and record a msgpack load report (EventDecodeError on garbage)."""
-        report = LoadReport.decode(data)
-        if report.worker_id != worker_id:
-            raise ValueError(f"report from {worker_id!r} carries worker_id {report.worker_id!r}")
-        return self.report(report)
-
     def push(self, report: LoadReport, batch: KVEventBatch) -> PushResult:
         """Record a worker's load report and KV events of one push (one delta)."""
         if batch.worker_id != report.worker_id:
@@ -408,25 +373,6 @@ class ClusterState:
     def index_drift(self) -> int:
         """Blocks believed cached that workers did not hold, summed over each worker's last check."""
         return sum(e.drift_blocks for e in self._workers.values())
-
-    def capacity(self, pool: str) -> PoolCapacity:
-        """Sums over the pool's live workers (a worker without a report counts its registered size as free)."""
-        entries = [e for e in self._workers.values() if e.info.pool == pool]
-        live = [e for e in entries if self.is_alive(e.info.worker_id)]
-        total = free = used = cached = running = waiting = 0
-        for e in live:
-            r = e.report
-            if r is None:
-                total += e.info.total_blocks
-                free += e.info.total_blocks
-                continue
-            total += r.total_blocks
-            free += r.free_blocks
-            used += r.live_blocks
-            cached += r.cached_blocks
-            running += r.num_running
-            waiting += r.num_waiting
-        return PoolCapacity(pool, len(entries), len(live), total, free, used, cached, running, waiting)
 
     def view(self) -> ClusterView:
         """An immutable snapshot for status pages and tests (liveness evaluated now)."""
