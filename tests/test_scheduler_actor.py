@@ -26,6 +26,7 @@ from pagefleet.worker.events import (  # noqa: E402
     WorkerInfo,
 )
 from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
+from pagefleet.worker.wire import WorkerRequest  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -134,7 +135,7 @@ def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) 
     try:
         prompt = list(range(3, 20))  # four full blocks, cached once the request ends
         stream = worker.generate.options(num_returns="streaming").remote(
-            "r1", prompt, SamplingParams(max_tokens=30, ignore_eos=True)
+            WorkerRequest("r1", tuple(prompt), SamplingParams(max_tokens=30, ignore_eos=True))
         )
         for ref in stream:
             ray.get(ref)

@@ -63,6 +63,7 @@ from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.wire import TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -310,20 +311,20 @@ class Ingress:
                 state.slot.requests_routed += 1
                 try:
                     async for item in self._stream(state.slot, req, prompt, params):
-                        if "error" in item:
-                            raise IngressError(ErrorCode.INVALID_ARGUMENT, item["error"])
+                        if item.error is not None:
+                            raise IngressError(ErrorCode.INVALID_ARGUMENT, item.error)
                         if cached_tokens is None:
-                            cached_tokens = item["cached_tokens"]
-                        streamed.extend(item["token_ids"])
-                        if item["token_ids"] and first_token_at is None:
+                            cached_tokens = item.cached_tokens
+                        streamed.extend(item.token_ids)
+                        if item.token_ids and first_token_at is None:
                             first_token_at = time.monotonic()
-                        finish = item["finish_reason"]
+                        finish = item.finish_reason
                         if state.aborted and finish is None:
                             continue  # the worker is aborting; its last delta says "abort"
                         yield StreamDelta(
                             request_id=req.request_id,
-                            token_ids=list(item["token_ids"]),
-                            text=item["text"],
+                            token_ids=list(item.token_ids),
+                            text=item.text,
                             finish_reason=finish,
                             worker_id=state.slot.worker_id,
                             prompt_tokens=prompt_tokens,
@@ -409,15 +410,20 @@ class Ingress:
 
     async def _stream(
         self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[TokenDelta]:
         """The worker's deltas; raises WorkerLeftRouting when the scheduler takes it out
         of routing mid-stream (a hung worker never ends the stream by itself)."""
         left = slot.left
         if left.is_set():
             raise WorkerLeftRouting(slot.worker_id)
-        gen = slot.handle.generate.options(num_returns="streaming").remote(
-            self._worker_rid(req), prompt, params, req.priority, req.salt
+        request = WorkerRequest(
+            self._worker_rid(req),
+            prompt if isinstance(prompt, str) else tuple(prompt),
+            params,
+            req.priority,
+            req.salt,
         )
+        gen = slot.handle.generate.options(num_returns="streaming").remote(request)
         leaving = asyncio.ensure_future(left.wait())
         try:
             while True:
@@ -709,13 +715,14 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_path(model))
 
 
-async def _next_item(gen: Any) -> dict[str, Any] | None:
+async def _next_item(gen: Any) -> TokenDelta | None:
     """The next delta of a Ray streaming call, or None at its end."""
     try:
         ref = await gen.__anext__()
     except StopAsyncIteration:
         return None
-    return dict(await ref)
+    delta: TokenDelta = await ref
+    return delta
 
 
 def _worker_status(slot: WorkerSlot) -> dict[str, Any]:

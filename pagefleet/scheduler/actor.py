@@ -52,6 +52,8 @@ class ReportAck:
     snapshot: bool = False  # send a snapshot of every held hash with the next push
     # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
     dead_replicas: tuple[str, ...] = ()
+    # Of the blocks to evict, these first: hashes another worker of the pool also holds.
+    evict_first: tuple[bytes, ...] = ()
 
 
 class SchedulerActor:
@@ -107,7 +109,7 @@ class SchedulerActor:
         evict = self._state.blocks_to_evict(worker_id) if result.registered else 0
         return ReportAck(
             self._state.generation, result.registered, evict, result.snapshot,
-            self._state.dead_replicas(),
+            self._state.dead_replicas(), self._state.eviction_hints(worker_id, evict),
         )
 
     async def subscribe(

@@ -197,6 +197,9 @@ class ClusterState:
         self.kv_gaps = 0
         self.snapshots = 0
         self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
+        # Per pool, hash -> how many of its workers hold it: eviction drops replicated
+        # prefixes first and the last copy last.
+        self._copies: dict[str, dict[bytes, int]] = {}
 
     # ----- membership -----------------------------------------------------
 
@@ -225,6 +228,7 @@ class ClusterState:
         entry = self._workers.pop(worker_id, None)
         if entry is None:
             return False
+        self._count(entry, (), tuple(entry.hashes))
         self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
 
@@ -276,6 +280,7 @@ class ClusterState:
             consistent = entry.kv_seq is not None and not fresh
             entry.drift_blocks = len(before - actual) if consistent else 0
             stored, removed = tuple(actual - entry.hashes), tuple(entry.hashes - actual)
+            self._count(entry, stored, removed)
             entry.hashes = actual
             entry.incarnation = batch.incarnation
             entry.kv_seq = batch.seq
@@ -288,6 +293,7 @@ class ClusterState:
             removed_old: tuple[bytes, ...] = ()
             if fresh:
                 removed_old, entry.hashes = tuple(entry.hashes), set()
+                self._count(entry, (), removed_old)
             entry.incarnation = batch.incarnation
             entry.kv_seq = None
             stored, removed = self._apply_events(entry, batch)
@@ -299,19 +305,55 @@ class ClusterState:
         stored, removed = self._apply_events(entry, batch)
         return stored, removed, gap
 
-    @staticmethod
-    def _apply_events(entry: _Entry, batch: KVEventBatch) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    def _apply_events(
+        self, entry: _Entry, batch: KVEventBatch
+    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         stored: list[bytes] = []
         removed: list[bytes] = []
         hashes = entry.hashes
+        copies = self._copies.setdefault(entry.info.pool, {})
         for kind, block_hash in batch.events:
             if kind == "stored":
-                hashes.add(block_hash)
+                if block_hash not in hashes:
+                    hashes.add(block_hash)
+                    copies[block_hash] = copies.get(block_hash, 0) + 1
                 stored.append(block_hash)
             else:
-                hashes.discard(block_hash)
+                if block_hash in hashes:
+                    hashes.discard(block_hash)
+                    _uncount(copies, block_hash)
                 removed.append(block_hash)
         return tuple(stored), tuple(removed)
+
+    def _count(self, entry: _Entry, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
+        copies = self._copies.setdefault(entry.info.pool, {})
+        for h in stored:
+            copies[h] = copies.get(h, 0) + 1
+        for h in removed:
+            _uncount(copies, h)
+
+    def copies(self, pool: str, block_hash: bytes) -> int:
+        """How many workers of the pool hold the hash, by the index."""
+        return self._copies.get(pool, {}).get(block_hash, 0)
+
+    def eviction_hints(self, worker_id: str, n: int) -> tuple[bytes, ...]:
+        """Up to `n` of the worker's hashes that another worker of its pool also holds.
+
+        Evicting these first costs the pool no prefix: the copy elsewhere still
+        serves it. The worker evicts them (the unused ones) before falling back
+        to LRU, so the last copy of a prefix goes last.
+        """
+        entry = self._workers.get(worker_id)
+        if entry is None or n <= 0:
+            return ()
+        copies = self._copies.get(entry.info.pool, {})
+        out: list[bytes] = []
+        for h in entry.hashes:
+            if copies.get(h, 0) > 1:
+                out.append(h)
+                if len(out) >= n:
+                    break
+        return tuple(out)
 
     # ----- liveness -------------------------------------------------------
 
@@ -448,3 +490,11 @@ class ClusterState:
     def _append(self, delta: WorkerDelta) -> None:
         self._version += 1
         self._log.append(delta)
+
+
+def _uncount(copies: dict[bytes, int], block_hash: bytes) -> None:
+    left = copies.get(block_hash, 0) - 1
+    if left > 0:
+        copies[block_hash] = left
+    else:
+        copies.pop(block_hash, None)

@@ -32,7 +32,7 @@ from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
-from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.wire import TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -76,30 +76,25 @@ class WorkerActor:
 
     # ----- requests -----------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        salt: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's deltas as plain dicts (see `_delta`).
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
+        """Stream one request's `TokenDelta`s.
 
-        Bad input ends the stream with one `{"error": message}` item instead of
+        Bad input ends the stream with one delta whose `error` is set instead of
         raising, so the caller can tell a client error from a worker failure.
         """
         self._ensure_reporter()
+        request_id = request.request_id
         self._active.add(request_id)
+        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
         try:
             stream = self._engine.generate(
-                request_id, prompt, params, priority=priority, salt=salt
+                request_id, prompt, request.params, priority=request.priority, salt=request.salt
             )
             async for out in stream:
                 self._progress += len(out.new_token_ids) or 1
-                yield _delta(out)
+                yield TokenDelta.from_output(out)
         except RequestError as exc:
-            yield {"error": str(exc)}
+            yield TokenDelta(error=str(exc))
         finally:
             self._active.discard(request_id)
 
@@ -128,9 +123,12 @@ class WorkerActor:
         """The engine's pool and queue counters (`LLMEngine.stats()`)."""
         return dict(self._engine.stats())
 
-    def evict_cached(self, n: int) -> int:
-        """Evict up to `n` LRU cached blocks between two engine steps; returns how many."""
-        evicted = self._engine.evict_cached(n)
+    def evict_cached(self, n: int, first: tuple[bytes, ...] = ()) -> int:
+        """Evict up to `n` cached blocks between two engine steps: those holding the
+        `first` hashes (replicated elsewhere, by the scheduler), then LRU. Returns how many."""
+        evicted = self._engine.evict_hashes(list(first[:n])) if first else 0
+        if evicted < n:
+            evicted += self._engine.evict_cached(n - evicted)
         if evicted:
             logger.debug("worker %s evicted %d cached blocks", self.worker_id, evicted)
         return evicted
@@ -201,7 +199,7 @@ class WorkerActor:
                     elif ack.evict_blocks > 0:
                         # Below the free-block watermark: evict LRU cached blocks now, so
                         # the next bursts allocate from the free list.
-                        self.evict_cached(ack.evict_blocks)
+                        self.evict_cached(ack.evict_blocks, ack.evict_first)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -228,18 +226,6 @@ def _find_scheduler(namespace: str | None) -> Any:
         return ray.get_actor(SCHEDULER_ACTOR_NAME, namespace=namespace)
     except ValueError:
         return None
-
-
-def _delta(out: Any) -> dict[str, Any]:
-    """The part of a `RequestOutput` the ingress needs, as a small dict."""
-    return {
-        "token_ids": list(out.new_token_ids),
-        "text": out.new_text,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(out.token_ids),
-        "cached_tokens": int(out.num_cached_tokens),
-    }
 
 
 def create_worker(

@@ -150,6 +150,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.drain_kv_events()
 
+    def evict_hashes(self, hashes: list[bytes]) -> int:
+        """`LLMEngine.evict_hashes`, between two steps."""
+        with self._lock:
+            return self.engine.evict_hashes(hashes)
+
     def snapshot_kv(self) -> list[bytes]:
         """`LLMEngine.snapshot_kv`, between two steps."""
         with self._lock:

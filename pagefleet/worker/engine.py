@@ -346,6 +346,10 @@ class LLMEngine:
         """Prefix-cache events ("stored" | "removed", block hash) since the last drain."""
         return self.pool.drain_events()
 
+    def evict_hashes(self, hashes: list[bytes]) -> int:
+        """Evict the unused cached blocks holding these hashes (see `BlockPool.evict_hashes`)."""
+        return self.pool.evict_hashes(hashes)
+
     def snapshot_kv(self) -> list[bytes]:
         """Every registered block hash now, and the pending KV events dropped: a
         receiver that replaces its index with this list is exactly in sync."""
