@@ -1,9 +1,8 @@
 """Prefix-affinity request router: a plain class, no Ray, no remote call per request.
 
 The router keeps, per worker, the set of block hashes that worker holds in
-its prefix cache, fed asynchronously: in serving by the central scheduler's
-view deltas (`apply_delta`, see `pagefleet.cluster.fleet_view`), in the
-simulator by KV event batches directly. To route a
+its prefix cache, fed asynchronously by the central scheduler's view deltas
+(`apply_delta`, see `pagefleet.cluster.fleet_view`). To route a
 prompt it computes the prompt's chained block hashes (the workers' own
 function, salted by tenant), finds each live worker's longest cached prefix,
 and picks the lowest
@@ -27,7 +26,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
@@ -91,7 +90,6 @@ class _Worker:
         "alive",
         "bit",
         "block_size",
-        "last_kv_seq",
         "pending_blocks",
         "pool",
         "report",
@@ -107,7 +105,6 @@ class _Worker:
         self.alive = True
         self.speculative: dict[bytes, float] = {}  # hash -> expiry, from our own routing
         self.report: LoadReport | None = None
-        self.last_kv_seq = -1
         # Uncached blocks routed here since the last load report: keeps a burst from
         # piling onto one worker between two reports.
         self.pending_blocks = 0
@@ -145,7 +142,6 @@ class Router:
         self._free_slots: list[int] = []
         self._expiries: deque[tuple[float, str, bytes]] = deque()
         self._rr_next: dict[str, int] = {}
-        self.index_gaps = 0
 
     # membership -----------------------------------------------------------------------
 
@@ -208,30 +204,6 @@ class Router:
             return
         worker.report = report
         worker.pending_blocks = 0
-
-    def apply_kv_events(self, batch: KVEventBatch) -> None:
-        """Update a worker's cached-hash index; batches of unknown workers are dropped."""
-        worker = self._workers.get(batch.worker_id)
-        if worker is None:
-            return
-        if batch.reset:
-            # A (re)started worker: empty cache, and its report seq starts over too.
-            self._clear_index(worker)
-            worker.report = None
-        elif worker.last_kv_seq >= 0 and batch.seq != worker.last_kv_seq + 1:
-            # A lost batch leaves the index stale; that costs hit rate, never correctness.
-            self.index_gaps += 1
-        worker.last_kv_seq = batch.seq
-        bit = worker.bit
-        holders, confirmed, speculative = self._holders, self._confirmed, worker.speculative
-        for kind, block_hash in batch.events:
-            speculative.pop(block_hash, None)
-            if kind == "stored":
-                confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
-                holders[block_hash] = holders.get(block_hash, 0) | bit
-            else:
-                _clear_bit(confirmed, block_hash, bit)
-                _clear_bit(holders, block_hash, bit)
 
     def apply_delta(self, delta: WorkerDelta) -> None:
         """Apply one change of the scheduler's view: membership, liveness, load, index.
