@@ -44,9 +44,7 @@ def cluster() -> Iterator[RunningCluster]:
     config = dataclasses.replace(
         base,
         server=dataclasses.replace(base.server, ingress_replicas=2),
-        scheduler=dataclasses.replace(
-            base.scheduler, stall_timeout_s=1.5, index_check_interval_s=1.0
-        ),
+        scheduler=dataclasses.replace(base.scheduler, index_check_interval_s=1.0),
     )
     running = start_cluster(config, grpc_port=0)
     try:

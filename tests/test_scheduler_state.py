@@ -273,3 +273,19 @@ def test_fresh_or_lagging_subscriber_gets_a_snapshot(clock: FakeClock) -> None:
         assert [(d.info.worker_id, set(d.stored), d.reset) for d in update.deltas] == [
             ("w0", {H[0], H[1]}, True)
         ]
+
+
+def test_a_worker_past_its_deadline_that_then_counts_as_hung_is_published_again(
+    clock: FakeClock,
+) -> None:
+    s = ClusterState(report_timeout_s=2.0, stall_timeout_s=3.0, clock=clock)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    send(s, report("w0"))
+    clock.now += 2.5
+    assert s.tick() == 1  # out of routing: no report in time
+    cursor = s.version
+    clock.now += 1.0
+    assert s.tick() == 1  # now also hung: the ingress moves its streams
+    assert [(d.alive, d.stalled) for d in s.updates_since(s.generation, cursor).deltas] == [
+        (False, True)
+    ]

@@ -660,7 +660,14 @@ class Ingress:
                 "worker %s out of routing (%s)",
                 slot.worker_id, "hung: work but no progress" if delta.stalled else "no report in time",
             )
-            self._mark_dead(slot)
+            # No new requests go there. Its streams stay unless it is hung: a late
+            # report alone may be a slow scheduler or a busy machine, and a dead
+            # worker's streams fail over by themselves.
+            slot.alive = False
+            if self.metrics is not None:
+                self.metrics.mark_dead(slot.pool, slot.worker_id)
+        if delta.stalled and not slot.left.is_set():
+            slot.left.set()  # hung: its streams move now (see `_stream`)
         # Fresh load or a worker back: route waiting requests it has room for.
         self._dispatch(slot.pool)
 

@@ -141,6 +141,7 @@ class _Entry:
         "progress",
         "progress_at",
         "published_alive",
+        "published_stalled",
         "report",
     )
 
@@ -159,6 +160,7 @@ class _Entry:
         self.progress_at = now
         self.has_work = False
         self.published_alive = True
+        self.published_stalled = False
 
 
 class ClusterState:
@@ -377,7 +379,8 @@ class ClusterState:
         now = self._clock()
         changed = 0
         for entry in self._workers.values():
-            if self._alive(entry, now) != entry.published_alive:
+            state = (self._alive(entry, now), self._stalled(entry, now))
+            if state != (entry.published_alive, entry.published_stalled):
                 self._publish(entry)
                 changed += 1
         return changed
@@ -480,6 +483,7 @@ class ClusterState:
         now = self._clock()
         alive = self._alive(entry, now)
         entry.published_alive = alive
+        entry.published_stalled = self._stalled(entry, now)
         self._append(
             WorkerDelta(
                 entry.info, alive, entry.report, stored, removed, False, False,
