@@ -42,6 +42,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,7 +234,12 @@ class Ingress:
                 lambda: {pool.name: self._waiting.size(pool.name) for pool in config.pools}
             )
             metrics.track_view(self.fleet.staleness_s)
+            metrics.track_preemption_rate(self.preemptions_per_minute)
         self._follower: asyncio.Task[None] | None = None
+        # Per pool, (time, pool-wide preemptions so far) samples of the last minute.
+        self._preemption_samples: dict[str, deque[tuple[float, int]]] = {
+            pool.name: deque() for pool in config.pools
+        }
         self.policy = config.router.policy
 
     def set_router_policy(self, policy: str) -> None:
@@ -648,6 +654,7 @@ class Ingress:
         slot.drift_blocks = delta.drift_blocks
         if delta.report is not None and delta.report.supersedes(slot.report):
             slot.report = delta.report
+            self._sample_preemptions(slot.pool)
             if self.metrics is not None:
                 self.metrics.observe_report(delta.report)
         if self.metrics is not None:
@@ -670,6 +677,28 @@ class Ingress:
             slot.left.set()  # hung: its streams move now (see `_stream`)
         # Fresh load or a worker back: route waiting requests it has room for.
         self._dispatch(slot.pool)
+
+    def _sample_preemptions(self, pool: str) -> None:
+        now = time.monotonic()
+        total = sum(
+            sum(s.report.preemptions.values()) for s in self._pools[pool] if s.report is not None
+        )
+        samples = self._preemption_samples[pool]
+        samples.append((now, total))
+        while len(samples) > 1 and now - samples[1][0] >= 60.0:
+            samples.popleft()
+
+    def preemptions_per_minute(self) -> dict[str, float]:
+        """Preemptions per pool over the last minute (counting from the oldest sample
+        in that minute; a restarted worker's counters starting over count as 0)."""
+        out: dict[str, float] = {}
+        for pool, samples in self._preemption_samples.items():
+            if len(samples) < 2:
+                out[pool] = 0.0
+                continue
+            (t0, first), (t1, last) = samples[0], samples[-1]
+            out[pool] = max(0, last - first) * 60.0 / max(t1 - t0, 60.0)
+        return out
 
     # ----- status -------------------------------------------------------
 

@@ -81,6 +81,19 @@ class _ViewCollector:
         yield family
 
 
+class _PoolGaugeCollector:
+    """A per-pool gauge read from a callback at scrape time."""
+
+    def __init__(self, name: str, doc: str, values: Callable[[], Mapping[str, float]]) -> None:
+        self._name, self._doc, self._values = name, doc, values
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self._name, self._doc, labels=["pool"])
+        for pool, value in self._values().items():
+            family.add_metric([pool], value)
+        yield family
+
+
 class IngressMetrics:
     """All pagefleet metrics in one registry (one per ingress, so tests can make several)."""
 
@@ -147,6 +160,16 @@ class IngressMetrics:
     def track_view(self, staleness_s: Callable[[], float]) -> None:
         """Export `fleet_view_staleness_seconds`, read from `staleness_s()` at each scrape."""
         self.registry.register(_ViewCollector(staleness_s))
+
+    def track_preemption_rate(self, per_minute: Callable[[], Mapping[str, float]]) -> None:
+        """Export `preemptions_per_minute{pool}`, read from `per_minute()` at each scrape."""
+        self.registry.register(
+            _PoolGaugeCollector(
+                "preemptions_per_minute",
+                "sequences preempted in the pool over the last minute, from the workers' reports",
+                per_minute,
+            )
+        )
 
     def mark_dead(self, pool: str, worker_id: str) -> None:
         self.worker_alive.labels(pool, worker_id).set(0)
