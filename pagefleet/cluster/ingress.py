@@ -153,12 +153,9 @@ class WorkerSlot:
     pool: str
     handle: Any
     alive: bool = False
-    incarnation: str | None = None
     node_id: str = ""
     report: LoadReport | None = None
     requests_routed: int = 0
-    stalled: bool = False
-    drift_blocks: int = 0
     # Set when the worker leaves routing: streams running there stop waiting on it and
     # move. A fresh event each time it comes back.
     left: asyncio.Event = field(default_factory=asyncio.Event)
@@ -650,8 +647,6 @@ class Ingress:
             self._mark_dead(slot)
             return
         slot.node_id = delta.info.node_id or slot.node_id
-        slot.stalled = delta.stalled
-        slot.drift_blocks = delta.drift_blocks
         if delta.report is not None and delta.report.supersedes(slot.report):
             slot.report = delta.report
             self._sample_preemptions(slot.pool)
