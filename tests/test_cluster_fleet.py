@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,12 +141,26 @@ def _index_stats(cluster: RunningCluster) -> dict[str, int]:
 # ----- one view, two replicas ---------------------------------------------------
 
 
-def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(target: str) -> None:
+def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
+    cluster: RunningCluster, target: str
+) -> None:
     prefix = "Shared view: you are a helpful assistant. Answer briefly and politely."
+    before = {
+        wid: len(ray.get(cluster.scheduler.cached_hashes.remote(wid), timeout=30))
+        for wid, _ in cluster.workers["default"]
+    }
     first = _stream_on(target, None, f"{prefix} question 0?", max_tokens=2)
     done = first.rest()
     assert done[-1].usage.cached_tokens == 0
-    # Once the worker's KV events reach the scheduler, every replica's view has them.
+    worker = done[-1].worker_id
+    # The worker's KV events reach the scheduler with its next push; from there every
+    # replica's long poll brings them at once (the pause covers that delivery).
+    wait_for(
+        lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(worker), timeout=30))
+        >= before[worker] + 2,
+        30, "the prompt's blocks in the scheduler's index", 0.1,
+    )
+    time.sleep(1.0)
     other = _stream_on(target, first.replica, f"{prefix} question 1?", avoid=True, max_tokens=2)
     second = other.rest()
     assert other.replica != first.replica
