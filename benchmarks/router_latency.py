@@ -23,7 +23,8 @@ import time
 from collections.abc import Sequence
 
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.scheduler.state import WorkerDelta
+from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 POOL = "bench"
@@ -44,7 +45,7 @@ def build_router(
             hashes.extend(system_hashes[g])
         # Private blocks (finished requests' suffixes) fill the rest of the index.
         hashes.extend(rng.randbytes(32) for _ in range(max(0, index_blocks - len(hashes))))
-        router.apply_kv_events(KVEventBatch(wid, 1, tuple(("stored", h) for h in hashes)))
+        router.apply_delta(WorkerDelta(WorkerInfo(wid, POOL, 0, BLOCK_SIZE), True, None, tuple(hashes)))
     return router
 
 

@@ -18,6 +18,8 @@ from pagefleet.cluster.ingress import (
     WorkerSlot,
 )
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 
 
@@ -136,9 +138,9 @@ def _two_full_workers() -> Ingress:
     )
     # Admission never calls a worker, so the handles can be placeholders.
     ingress = Ingress(config, {"a": [("w0", None), ("w1", None)]})
-    for slot in ingress._pools["a"]:
-        slot.alive = True
-        ingress.router.set_alive(slot.worker_id, True)
+    # The scheduler's view brings both workers into routing.
+    live = tuple(WorkerDelta(WorkerInfo(w, "a", 64), True, None) for w in ("w0", "w1"))
+    ingress.fleet.apply(ViewUpdate(1, 2, True, live))
     return ingress
 
 

@@ -12,9 +12,10 @@ from pagefleet import LLM, SamplingParams
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router, RouterConfig
+from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.kv_cache import KVCache, ModelShape
 from pagefleet.worker.offload import BlockTransfer, HostOffloadTier, revive_offloaded
 from pagefleet.worker.prefix_hash import hash_token_blocks
@@ -230,41 +231,69 @@ def routed_to(router: Router, prompt: list[int]) -> str:
     return router.route("chat", prompt).worker_id
 
 
-def three_worker_router() -> tuple[Router, list[int], list[bytes]]:
-    router = Router(RouterConfig(speculative_ttl_s=0.0), seed=0)
-    for w in ("pool", "tier", "cold"):
-        router.add_worker(w, "chat", block_size=16)
-    prompt = list(range(100, 100 + 6 * 16))
-    return router, prompt, router.block_hashes("chat", prompt)
+class Fleet:
+    """Three workers behind the real scheduler state; a router follows its view."""
+
+    def __init__(self) -> None:
+        self.state = ClusterState(report_timeout_s=60.0)
+        self.router = Router(RouterConfig(speculative_ttl_s=0.0), seed=0)
+        self.seq: dict[str, int] = {}
+        self.cursor = 0
+        for w in ("pool", "tier", "cold"):
+            self.state.register_worker(WorkerInfo(w, "chat", 100, 16))
+            self.push(w)
+        self.prompt = list(range(100, 100 + 6 * 16))
+        self.hashes = self.router.block_hashes("chat", self.prompt)
+
+    def push(self, worker_id: str, *events: tuple[str, bytes], reset: bool = False) -> None:
+        """One worker push (report + KV events), then the router catches up with the view."""
+        seq = self.seq[worker_id] = self.seq.get(worker_id, 0) + 1
+        report = LoadReport(worker_id, "chat", seq, 0.0, 100, 100, 0, 0, 0, incarnation="p1")
+        batch = KVEventBatch(worker_id, seq, events, reset=reset or seq == 1, incarnation="p1")
+        self.state.push(report, batch)
+        update = self.state.updates_since(self.state.generation, self.cursor)
+        if update.snapshot:
+            self.router.clear_index()
+        for delta in update.deltas:
+            self.router.apply_delta(delta)
+        self.cursor = update.version
 
 
 def test_router_prefers_a_pool_hit_over_a_tier_hit() -> None:
-    router, prompt, h = three_worker_router()
-    router.apply_kv_events(KVEventBatch("pool", 0, tuple(("stored", x) for x in h)))
-    router.apply_kv_events(KVEventBatch("tier", 0, tuple(("offload_stored", x) for x in h)))
-    assert routed_to(router, prompt) == "pool"
+    fleet = Fleet()
+    fleet.push("pool", *(("stored", x) for x in fleet.hashes))
+    fleet.push("tier", *(("offload_stored", x) for x in fleet.hashes))
+    assert routed_to(fleet.router, fleet.prompt) == "pool"
 
 
 def test_router_prefers_a_tier_hit_over_a_miss() -> None:
-    router, prompt, h = three_worker_router()
-    router.apply_kv_events(KVEventBatch("tier", 0, tuple(("offload_stored", x) for x in h)))
-    decision = router.route("chat", prompt)
-    assert decision.worker_id == "tier" and decision.offload_blocks == len(h)
+    fleet = Fleet()
+    fleet.push("tier", *(("offload_stored", x) for x in fleet.hashes))
+    decision = fleet.router.route("chat", fleet.prompt)
+    assert decision.worker_id == "tier" and decision.offload_blocks == len(fleet.hashes)
 
 
 def test_router_counts_the_tier_run_after_the_pool_run() -> None:
-    router, prompt, h = three_worker_router()
-    router.apply_kv_events(KVEventBatch("tier", 0, (
-        *(("stored", x) for x in h[:2]), *(("offload_stored", x) for x in h[2:]))))
-    decision = router.route("chat", prompt)
+    fleet = Fleet()
+    h = fleet.hashes
+    fleet.push("tier", *(("stored", x) for x in h[:2]), *(("offload_stored", x) for x in h[2:]))
+    decision = fleet.router.route("chat", fleet.prompt)
     assert (decision.worker_id, decision.matched_blocks, decision.offload_blocks) == ("tier", 2, 4)
 
 
-def test_a_reset_batch_forgets_the_workers_tier() -> None:
-    router, prompt, h = three_worker_router()
-    router.apply_kv_events(KVEventBatch("tier", 0, tuple(("offload_stored", x) for x in h)))
-    router.apply_kv_events(KVEventBatch("tier", 0, (), reset=True))
-    assert router.route("chat", prompt).offload_blocks == 0
+def test_a_snapshot_replaces_the_workers_tier() -> None:
+    fleet = Fleet()
+    fleet.push("tier", *(("offload_stored", x) for x in fleet.hashes))
+    fleet.push("tier", reset=True)  # the worker's snapshot: its tier holds nothing now
+    assert fleet.router.route("chat", fleet.prompt).offload_blocks == 0
+    assert fleet.state.snapshot().deltas[1].offload_stored == ()
+
+
+def test_offload_removed_events_leave_the_view() -> None:
+    fleet = Fleet()
+    fleet.push("tier", *(("offload_stored", x) for x in fleet.hashes))
+    fleet.push("tier", *(("offload_removed", x) for x in fleet.hashes[3:]))
+    assert fleet.router.route("chat", fleet.prompt).offload_blocks == 3
 
 
 # --------------------------------------------------------------------- engine

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import NoWorkerAvailable, Router, RouterConfig
-from pagefleet.scheduler.state import ClusterView, WorkerView
-from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
+from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 BS = 16
@@ -35,21 +36,21 @@ def make_router(n: int = 3, *, seed: int = 0, **cfg: object) -> tuple[Router, li
     return router, ids
 
 
-_seq: Counter[str] = Counter()
+def _events(
+    router: Router, worker_id: str, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()
+) -> None:
+    """A view delta carrying these KV events (the worker's liveness unchanged)."""
+    alive = worker_id in router.workers(alive_only=True)
+    info = WorkerInfo(worker_id, "chat", 1000, BS)
+    router.apply_delta(WorkerDelta(info, alive, None, tuple(stored), tuple(removed)))
 
 
 def store(router: Router, worker_id: str, hashes: list[bytes]) -> None:
-    _seq[worker_id] += 1
-    router.apply_kv_events(
-        KVEventBatch(worker_id, _seq[worker_id], tuple(("stored", h) for h in hashes))
-    )
+    _events(router, worker_id, stored=hashes)
 
 
 def remove(router: Router, worker_id: str, hashes: list[bytes]) -> None:
-    _seq[worker_id] += 1
-    router.apply_kv_events(
-        KVEventBatch(worker_id, _seq[worker_id], tuple(("removed", h) for h in hashes))
-    )
+    _events(router, worker_id, removed=hashes)
 
 
 def load(router: Router, worker_id: str, live: int, *, waiting: int = 0, seq: int = 1) -> None:
@@ -102,15 +103,6 @@ def test_removed_events_take_away_affinity() -> None:
     store(router, "w1", hashes)
     remove(router, "w1", hashes)
     assert router.route("chat", prompt(SYSTEM_A)).matched_blocks == 0
-
-
-def test_reset_batch_clears_a_workers_index() -> None:
-    router, _ = make_router(2)
-    hashes = hash_token_blocks(SYSTEM_A, BS)
-    store(router, "w0", hashes)
-    router.apply_kv_events(KVEventBatch("w0", 0, (), reset=True))
-    assert router.num_indexed("w0") == 0
-    assert router.matched_blocks("w0", hashes) == 0
 
 
 def test_same_salt_hits_and_other_salt_misses() -> None:
@@ -298,42 +290,45 @@ def test_older_load_report_is_ignored() -> None:
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
 
 
-def test_apply_message_decodes_both_kinds() -> None:
+def test_delta_of_the_scheduler_view_carries_load_and_index() -> None:
     router, _ = make_router(2, policy="least_loaded")
-    router.apply_message(LoadReport("w0", "chat", 1, 0.0, 100, 10, 90, 0, 90).encode())
     hashes = hash_token_blocks(SYSTEM_A, BS)
-    router.apply_message(KVEventBatch("w0", 1, tuple(("stored", h) for h in hashes)).encode())
+    report = LoadReport("w0", "chat", 1, 0.0, 100, 10, 90, 0, 90)
+    router.apply_delta(WorkerDelta(WorkerInfo("w0", "chat", 100, BS), True, report, tuple(hashes)))
     assert router.matched_blocks("w0", hashes) == 8
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w1"
 
 
-def test_kv_event_gap_is_counted() -> None:
-    router, _ = make_router(1)
-    router.apply_kv_events(KVEventBatch("w0", 1))
-    router.apply_kv_events(KVEventBatch("w0", 3))
-    assert router.index_gaps == 1
+def _delta(worker_id: str, alive: bool, *stored: bytes, gone: bool = False) -> WorkerDelta:
+    return WorkerDelta(WorkerInfo(worker_id, "chat", 100, BS), alive, None, stored, gone=gone)
 
 
-def _view(generation: int, *workers: tuple[str, bool]) -> ClusterView:
-    return ClusterView(
-        generation,
-        1,
-        tuple(WorkerView(WorkerInfo(w, "chat", 100, BS), alive, None, 0.0) for w, alive in workers),
-    )
-
-
-def test_view_adds_workers_and_sets_liveness() -> None:
+def test_view_delta_adds_workers_and_sets_liveness() -> None:
     router = Router(seed=0)
-    router.apply_view(_view(1, ("a", True), ("b", False)))
+    router.apply_delta(_delta("a", True))
+    router.apply_delta(_delta("b", False))
     assert router.workers("chat") == ["a", "b"]
     assert router.workers("chat", alive_only=True) == ["a"]
 
 
-def test_view_without_a_worker_keeps_routing_to_it() -> None:
+def test_view_delta_of_a_deregistered_worker_removes_it() -> None:
     router = Router(seed=0)
-    router.apply_view(_view(1, ("a", True)))
-    router.apply_view(_view(2))  # a restarted scheduler, before re-registration
-    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "a"
+    router.apply_delta(_delta("a", True))
+    router.apply_delta(_delta("a", False, gone=True))
+    assert router.workers("chat") == []
+
+
+def test_snapshot_rebuilds_the_index_and_keeps_workers_it_does_not_list() -> None:
+    router = Router(seed=0)
+    hashes = hash_token_blocks(SYSTEM_A, BS)
+    view = FleetView(router, lambda _delta: None)
+    view.apply(ViewUpdate(1, 2, False, (_delta("a", True, *hashes), _delta("b", True, *hashes))))
+    # A restarted scheduler that so far knows only b: a's index is gone, a still routes.
+    view.apply(ViewUpdate(2, 1, True, (_delta("b", True, *hashes[:2]),)))
+    assert (view.generation, view.version) == (2, 1)
+    assert router.matched_blocks("a", hashes) == 0
+    assert router.matched_blocks("b", hashes) == 2
+    assert router.workers("chat", alive_only=True) == ["a", "b"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -347,9 +342,9 @@ def test_index_matches_a_naive_per_worker_set(ops: list[tuple[int, bool, int]]) 
     router, ids = make_router(4)
     hashes = hash_token_blocks(SYSTEM_A, BS)
     naive: dict[str, set[bytes]] = {wid: set() for wid in ids}
-    for seq, (w, stored, block) in enumerate(ops, start=1):
+    for w, stored, block in ops:
         wid, h = ids[w], hashes[block]
-        router.apply_kv_events(KVEventBatch(wid, seq, (("stored" if stored else "removed", h),)))
+        (store if stored else remove)(router, wid, [h])
         (naive[wid].add if stored else naive[wid].discard)(h)
     for wid in ids:
         expected = 0
@@ -358,15 +353,6 @@ def test_index_matches_a_naive_per_worker_set(ops: list[tuple[int, bool, int]]) 
         assert router.matched_blocks(wid, hashes) == expected
     best = max(router.matched_blocks(wid, hashes) for wid in ids)
     assert router.route_hashes("chat", hashes).matched_blocks == best
-
-
-def test_restarted_worker_reports_count_again_after_its_reset_batch() -> None:
-    router, _ = make_router(2, policy="least_loaded")
-    load(router, "w0", 500, seq=40)  # before the crash
-    load(router, "w1", 100, seq=1)
-    router.apply_kv_events(KVEventBatch("w0", 0, (), reset=True))
-    load(router, "w0", 0, seq=1)  # the new process counts from 1 again
-    assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w0"
 
 
 def test_report_from_a_new_incarnation_replaces_the_old_one() -> None:

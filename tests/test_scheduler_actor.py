@@ -17,6 +17,7 @@ from pagefleet.scheduler.actor import (  # noqa: E402
     start_scheduler,
 )
 from pagefleet.scheduler.policy import EvictionWatermarks  # noqa: E402
+from pagefleet.scheduler.state import ViewUpdate  # noqa: E402
 from pagefleet.worker.actor import create_worker  # noqa: E402
 from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.events import (  # noqa: E402
@@ -25,6 +26,7 @@ from pagefleet.worker.events import (  # noqa: E402
     WorkerInfo,
 )
 from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
+from pagefleet.worker.wire import WorkerRequest  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -52,6 +54,10 @@ def report(worker_id: str, seq: int = 1) -> bytes:
     return LoadReport(worker_id, "chat", seq, 0.0, 64, 60, 4, 0, 4).encode()
 
 
+def no_events(worker_id: str, seq: int = 1) -> bytes:
+    return KVEventBatch(worker_id, seq, reset=True).encode()
+
+
 def wait_for_restart(handle: Any, old_generation: int) -> None:
     # ray.kill returns before the actor is gone; the handle's calls are retried
     # against the restarted actor, so poll until the new incarnation answers.
@@ -75,7 +81,7 @@ def test_starting_twice_returns_the_same_actor(scheduler: Any) -> None:
 
 def test_registered_worker_reports_and_appears_in_the_view(scheduler: Any) -> None:
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
-    ack = ray.get(scheduler.report.remote("w0", report("w0")))
+    ack = ray.get(scheduler.push.remote("w0", report("w0"), no_events("w0")))
     assert ack == ReportAck(generation, True)
     view = ray.get(scheduler.get_view.remote())
     assert [(w.worker_id, w.alive, w.report.free_blocks) for w in view.workers] == [
@@ -84,7 +90,7 @@ def test_registered_worker_reports_and_appears_in_the_view(scheduler: Any) -> No
 
 
 def test_unknown_worker_is_told_to_register(scheduler: Any) -> None:
-    ack = ray.get(scheduler.report.remote("ghost", report("ghost")))
+    ack = ray.get(scheduler.push.remote("ghost", report("ghost"), no_events("ghost")))
     assert ack.registered is False
 
 
@@ -94,12 +100,12 @@ def test_restarted_scheduler_has_a_new_generation_and_rebuilds_from_re_registrat
     first = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     ray.kill(scheduler, no_restart=False)
     wait_for_restart(scheduler, first)
-    ack = ray.get(scheduler.report.remote("w0", report("w0", 2)))
+    ack = ray.get(scheduler.push.remote("w0", report("w0", 2), no_events("w0")))
     assert ack.registered is False
     assert ack.generation != first
     assert ray.get(scheduler.get_view.remote()).workers == ()
     ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
-    assert ray.get(scheduler.report.remote("w0", report("w0", 3))).registered
+    assert ray.get(scheduler.push.remote("w0", report("w0", 3), no_events("w0"))).registered
 
 
 def test_no_scheduler_in_an_empty_namespace(ray_session: None) -> None:
@@ -110,7 +116,7 @@ def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(schedul
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     # 64 blocks, 1 free, 23 cached: under 5% free, so evict up to 10% (7 blocks) free.
     low = LoadReport("w0", "chat", 1, 0.0, 64, 1, 40, 23, 40).encode()
-    assert ray.get(scheduler.report.remote("w0", low)) == ReportAck(generation, True, 6)
+    assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(generation, True, 6)
 
 
 def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:
@@ -127,29 +133,33 @@ def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) 
         report_interval_s=0.1,
     )
     try:
-        indexed: set[bytes] = set()  # what a router following the KV events believes is cached
-
-        def follow_events() -> None:
-            _incarnation, _report, kv = ray.get(worker.poll.remote())
-            for kind, block_hash in KVEventBatch.decode(kv).events:
-                (indexed.add if kind == "stored" else indexed.discard)(block_hash)
-
         prompt = list(range(3, 20))  # four full blocks, cached once the request ends
         stream = worker.generate.options(num_returns="streaming").remote(
-            "r1", prompt, SamplingParams(max_tokens=30, ignore_eos=True)
+            WorkerRequest("r1", tuple(prompt), SamplingParams(max_tokens=30, ignore_eos=True))
         )
-        for i, ref in enumerate(stream):
+        for ref in stream:
             ray.get(ref)
-            if i == 0:
-                follow_events()  # usually drains the prompt's "stored" events
         deadline = time.monotonic() + 60
         while (stats := ray.get(worker.stats.remote()))["evictions"] == 0:
             assert time.monotonic() < deadline, f"no eviction within 60 s: {stats}"
             time.sleep(0.1)
         assert stats["cached"] == 0 and stats["live"] == 0
         assert stats["free"] == stats["total"]
-        follow_events()
-        assert indexed == set()  # the evictions were announced as "removed"
+        # The evictions reach the scheduler's index as "removed" events.
+        while ray.get(sched.cached_hashes.remote("evicting-worker")):
+            assert time.monotonic() < deadline, "the scheduler's index still lists evicted blocks"
+            time.sleep(0.1)
     finally:
         ray.kill(worker, no_restart=True)
         ray.kill(sched, no_restart=True)
+
+
+def test_pushed_kv_events_reach_a_subscriber_as_deltas(scheduler: Any) -> None:
+    generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
+    first: ViewUpdate = ray.get(scheduler.subscribe.remote(None, 0, 0.1))
+    assert first.snapshot and first.generation == generation
+    snap = KVEventBatch("w0", 1, (("stored", b"h" * 16),), reset=True, incarnation="p")
+    ack = ray.get(scheduler.push.remote("w0", report("w0"), snap.encode()))
+    assert ack.registered and not ack.snapshot
+    update: ViewUpdate = ray.get(scheduler.subscribe.remote(generation, first.version, 5.0))
+    assert [(d.info.worker_id, d.stored) for d in update.deltas] == [("w0", (b"h" * 16,))]

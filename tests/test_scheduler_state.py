@@ -1,12 +1,14 @@
-"""ClusterState: registration, reports, liveness by deadline, capacity and snapshots."""
+"""ClusterState: registration, pushes, liveness (deadlines, hung workers), the KV index and its deltas."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from pagefleet.scheduler.policy import EvictionWatermarks
 from pagefleet.scheduler.state import ClusterState
-from pagefleet.worker.events import EventDecodeError, LoadReport, WorkerInfo
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 
 class FakeClock:
@@ -18,7 +20,16 @@ class FakeClock:
 
 
 def report(worker_id: str, seq: int = 1, *, free: int = 40, pool: str = "chat") -> LoadReport:
-    return LoadReport(worker_id, pool, seq, 0.0, 100, free, 100 - free - 10, 10, 60, num_running=2)
+    # Busy (2 running) and making progress: each report has streamed more tokens.
+    return LoadReport(
+        worker_id, pool, seq, 0.0, 100, free, 100 - free - 10, 10, 60, num_running=2, progress=seq
+    )
+
+
+def send(state: ClusterState, r: LoadReport) -> bool:
+    """Push a load report with an empty KV batch; False if the worker must register."""
+    batch = KVEventBatch(r.worker_id, r.seq, incarnation=r.incarnation)
+    return state.push(r, batch).registered
 
 
 @pytest.fixture
@@ -50,18 +61,18 @@ def test_fresh_state_gets_a_random_generation() -> None:
 
 
 def test_report_from_unknown_worker_asks_it_to_register(state: ClusterState) -> None:
-    assert state.report(report("ghost")) is False
+    assert send(state, report("ghost")) is False
 
 
 def test_latest_report_is_kept(state: ClusterState) -> None:
-    assert state.report(report("w0", 1, free=40))
-    assert state.report(report("w0", 2, free=30))
+    assert send(state, report("w0", 1, free=40))
+    assert send(state, report("w0", 2, free=30))
     assert state.latest_report("w0").free_blocks == 30  # type: ignore[union-attr]
 
 
 def test_out_of_order_report_is_dropped(state: ClusterState) -> None:
-    state.report(report("w0", 5, free=30))
-    state.report(report("w0", 4, free=90))
+    send(state, report("w0", 5, free=30))
+    send(state, report("w0", 4, free=90))
     assert state.latest_report("w0").free_blocks == 30  # type: ignore[union-attr]
 
 
@@ -69,7 +80,7 @@ def test_worker_that_misses_its_deadline_is_not_alive(
     state: ClusterState, clock: FakeClock
 ) -> None:
     clock.now += 2.0
-    state.report(report("w0"))
+    send(state, report("w0"))
     clock.now += 2.0
     assert state.alive_workers("chat") == ["w0"]
     assert not state.is_alive("w1")
@@ -78,50 +89,19 @@ def test_worker_that_misses_its_deadline_is_not_alive(
 def test_late_report_brings_a_worker_back(state: ClusterState, clock: FakeClock) -> None:
     clock.now += 10.0
     assert not state.is_alive("w1")
-    state.report(report("w1"))
+    send(state, report("w1"))
     assert state.is_alive("w1")
 
 
-def test_report_bytes_decodes_msgpack(state: ClusterState) -> None:
-    assert state.report_bytes("w0", report("w0", free=12).encode())
-    assert state.latest_report("w0").free_blocks == 12  # type: ignore[union-attr]
-
-
-def test_report_bytes_refuses_garbage(state: ClusterState) -> None:
-    with pytest.raises(EventDecodeError):
-        state.report_bytes("w0", b"\x00garbage")
-
-
-def test_report_bytes_refuses_a_report_for_another_worker(state: ClusterState) -> None:
-    with pytest.raises(ValueError, match="carries worker_id 'w1'"):
-        state.report_bytes("w0", report("w1").encode())
-
-
-def test_capacity_sums_live_workers_only(state: ClusterState, clock: FakeClock) -> None:
-    state.report(report("w0", free=40))
-    state.report(report("w1", free=20))
-    clock.now += 2.0
-    state.report(report("w0", 2, free=40))
-    clock.now += 2.0  # w1 is now past its deadline
-    cap = state.capacity("chat")
-    assert (cap.workers, cap.alive) == (2, 1)
-    assert (cap.total_blocks, cap.free_blocks, cap.cached_blocks, cap.num_running) == (
-        100,
-        40,
-        10,
-        2,
-    )
-
-
-def test_capacity_counts_an_unreported_worker_as_empty(state: ClusterState) -> None:
-    cap = state.capacity("batch")
-    assert (cap.total_blocks, cap.free_blocks) == (50, 50)
+def test_push_refuses_a_kv_batch_of_another_worker(state: ClusterState) -> None:
+    with pytest.raises(ValueError, match="KV batch of 'w1'"):
+        state.push(report("w0"), KVEventBatch("w1", 1))
 
 
 def test_view_is_a_snapshot_with_liveness_and_reports(
     state: ClusterState, clock: FakeClock
 ) -> None:
-    state.report(report("w0"))
+    send(state, report("w0"))
     view = state.view()
     assert view.generation == 7
     assert view.pools() == ["chat", "batch"]
@@ -133,7 +113,7 @@ def test_view_is_a_snapshot_with_liveness_and_reports(
 
 def test_view_version_bumps_on_change(state: ClusterState) -> None:
     before = state.view().version
-    state.report(report("w0"))
+    send(state, report("w0"))
     assert state.view().version > before
 
 
@@ -144,9 +124,9 @@ def test_deregistered_worker_leaves_the_view(state: ClusterState) -> None:
 
 
 def test_re_registration_forgets_the_old_processes_report(state: ClusterState) -> None:
-    state.report(report("w0", 40, free=5))
+    send(state, report("w0", 40, free=5))
     state.register_worker(WorkerInfo("w0", "chat", 100))  # the worker restarted
-    state.report(report("w0", 1, free=77))
+    send(state, report("w0", 1, free=77))
     assert state.latest_report("w0").free_blocks == 77  # type: ignore[union-attr]
 
 
@@ -159,17 +139,153 @@ def test_blocks_to_evict_refills_the_free_list_to_the_high_watermark(clock: Fake
     s = ClusterState(report_timeout_s=3.0, clock=clock, eviction=EvictionWatermarks(0.05, 0.10))
     s.register_worker(WorkerInfo("w0", "chat", 100))
     assert s.blocks_to_evict("w0") == 0  # no report yet
-    s.report(_full_report("w0", free=2, cached=30))
+    send(s, _full_report("w0", free=2, cached=30))
     assert s.blocks_to_evict("w0") == 8  # 2 free -> 10 free (10% of 100)
 
 
 def test_blocks_to_evict_is_zero_above_the_low_watermark_or_without_watermarks(
     state: ClusterState, clock: FakeClock
 ) -> None:
-    state.report(_full_report("w0", free=2, cached=30))
+    send(state, _full_report("w0", free=2, cached=30))
     assert state.blocks_to_evict("w0") == 0  # this state has no watermarks
     s = ClusterState(report_timeout_s=3.0, clock=clock, eviction=EvictionWatermarks(0.05, 0.10))
     s.register_worker(WorkerInfo("w0", "chat", 100))
-    s.report(_full_report("w0", free=6, cached=30))
+    send(s, _full_report("w0", free=6, cached=30))
     assert s.blocks_to_evict("w0") == 0
     assert s.blocks_to_evict("ghost") == 0
+
+
+# ----- KV index, deltas, hung workers -------------------------------------------
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+def kv(worker_id: str, seq: int, *events: tuple[str, bytes], reset: bool = False, inc: str = "p1") -> KVEventBatch:
+    return KVEventBatch(worker_id, seq, events, reset=reset, incarnation=inc)
+
+
+def snapshot(worker_id: str, seq: int, *hashes: bytes, inc: str = "p1") -> KVEventBatch:
+    return kv(worker_id, seq, *(("stored", h) for h in hashes), reset=True, inc=inc)
+
+
+def test_first_events_of_an_incarnation_ask_for_a_snapshot(state: ClusterState) -> None:
+    result = state.push(report("w0"), kv("w0", 1, ("stored", H[0])))
+    assert result.registered and result.snapshot
+    assert not state.push(report("w0", 2), snapshot("w0", 2, H[0], H[1])).snapshot
+    assert state.cached_hashes("w0") == {H[0], H[1]}
+
+
+def test_sequence_gap_asks_for_a_snapshot_and_counts_the_gap(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0]))
+    assert not state.push(report("w0", 2), kv("w0", 2, ("stored", H[1]))).snapshot
+    assert state.push(report("w0", 3), kv("w0", 4, ("removed", H[0]))).snapshot
+    assert state.kv_gaps == 1
+
+
+def test_snapshot_measures_drift_and_corrects_the_index(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0], H[1]))
+    # The "removed" event of H[1] was lost; the next check finds one block of drift.
+    state.push(report("w0", 2), snapshot("w0", 2, H[0]))
+    assert state.index_drift() == 1
+    assert state.cached_hashes("w0") == {H[0]}
+    state.push(report("w0", 3), snapshot("w0", 3, H[0]))
+    assert state.index_drift() == 0
+
+
+def test_new_incarnation_drops_the_old_processes_hashes(state: ClusterState) -> None:
+    state.push(report("w0"), snapshot("w0", 1, H[0], H[1]))
+    state.push(report("w0"), snapshot("w0", 1, H[2], inc="p2"))
+    assert state.cached_hashes("w0") == {H[2]}
+    assert state.index_drift() == 0
+
+
+def test_periodic_drift_check_asks_for_a_snapshot(clock: FakeClock) -> None:
+    s = ClusterState(clock=clock, index_check_interval_s=5.0)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.push(report("w0"), snapshot("w0", 1))
+    assert not s.push(report("w0", 2), kv("w0", 2)).snapshot
+    clock.now += 6.0
+    assert s.push(report("w0", 3), kv("w0", 3)).snapshot
+
+
+def test_busy_worker_without_progress_is_hung_and_leaves_routing(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    send(state, report("w0", 1))
+    for seq in range(2, 6):  # it keeps reporting, but streams nothing
+        clock.now += 1.0
+        send(state, dataclasses.replace(report("w0", seq), progress=1))
+    assert state.is_stalled("w0") and not state.is_alive("w0")
+    clock.now += 1.0
+    send(state, report("w0", 9))  # progress again
+    assert state.is_alive("w0")
+
+
+def test_silent_busy_worker_is_hung_before_its_report_deadline(clock: FakeClock) -> None:
+    s = ClusterState(report_timeout_s=10.0, stall_timeout_s=3.0, clock=clock)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    send(s, report("w0"))
+    clock.now += 4.0  # SIGSTOP: no report at all
+    assert s.is_stalled("w0") and not s.is_alive("w0")
+
+
+def test_idle_worker_is_never_hung(state: ClusterState, clock: FakeClock) -> None:
+    idle = dataclasses.replace(report("w0"), num_running=0)
+    send(state, idle)
+    clock.now += 2.5
+    send(state, dataclasses.replace(idle, seq=2))
+    clock.now += 2.5
+    assert state.is_alive("w0")
+
+
+def test_tick_publishes_a_liveness_change_caused_by_time(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    send(state, report("w0"))
+    cursor = state.version
+    clock.now += 4.0
+    assert state.tick() == 3  # every worker missed its deadline
+    update = state.updates_since(state.generation, cursor)
+    assert not update.snapshot
+    assert [(d.info.worker_id, d.alive) for d in update.deltas] == [
+        ("w0", False), ("w1", False), ("b0", False)
+    ]
+    assert state.tick() == 0
+
+
+def test_subscriber_gets_deltas_after_its_cursor(state: ClusterState) -> None:
+    cursor = state.version
+    state.push(report("w0"), snapshot("w0", 1, H[0]))
+    state.push(report("w0", 2), kv("w0", 2, ("stored", H[1]), ("removed", H[0])))
+    update = state.updates_since(state.generation, cursor)
+    assert update.version == cursor + 2 and not update.snapshot
+    assert [(d.stored, d.removed) for d in update.deltas] == [((H[0],), ()), ((H[1],), (H[0],))]
+    assert state.updates_since(state.generation, update.version).deltas == ()
+
+
+def test_fresh_or_lagging_subscriber_gets_a_snapshot(clock: FakeClock) -> None:
+    s = ClusterState(clock=clock, log_size=2)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    s.push(report("w0"), snapshot("w0", 1, H[0]))
+    s.push(report("w0", 2), kv("w0", 2, ("stored", H[1])))
+    for update in (s.updates_since(None, 0), s.updates_since(s.generation, 0)):
+        assert update.snapshot
+        assert [(d.info.worker_id, set(d.stored), d.reset) for d in update.deltas] == [
+            ("w0", {H[0], H[1]}, True)
+        ]
+
+
+def test_a_worker_past_its_deadline_that_then_counts_as_hung_is_published_again(
+    clock: FakeClock,
+) -> None:
+    s = ClusterState(report_timeout_s=2.0, stall_timeout_s=3.0, clock=clock)
+    s.register_worker(WorkerInfo("w0", "chat", 100))
+    send(s, report("w0"))
+    clock.now += 2.5
+    assert s.tick() == 1  # out of routing: no report in time
+    cursor = s.version
+    clock.now += 1.0
+    assert s.tick() == 1  # now also hung: the ingress moves its streams
+    assert [(d.alive, d.stalled) for d in s.updates_since(s.generation, cursor).deltas] == [
+        (False, True)
+    ]

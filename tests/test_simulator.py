@@ -76,3 +76,18 @@ def test_imbalance_guard_spreads_one_hot_prefix_over_the_fleet() -> None:
     guarded = RouterConfig(w_load=0.0, w_queue=0.0, imbalance_slack_blocks=8)
     assert simulate("prefix_affinity", hot, FLEET, unguarded).max_worker_share == 1.0
     assert simulate("prefix_affinity", hot, FLEET, guarded).max_worker_share < 0.5
+
+
+def test_four_ingress_replicas_on_one_scheduler_view_keep_the_single_replica_hit_rate() -> None:
+    one = simulate("prefix_affinity", WORKLOAD, FLEET)
+    four = simulate("prefix_affinity", WORKLOAD, replace(FLEET, num_ingress_replicas=4))
+    assert four.hit_rate >= 0.95 * one.hit_rate
+
+
+def test_simulated_fleet_state_goes_through_the_real_scheduler() -> None:
+    sim = Simulation(WORKLOAD, replace(FLEET, num_ingress_replicas=2), "prefix_affinity")
+    sim.run()
+    sim._on_report(None)  # one more push round delivers every pending event
+    for wid, worker in sim.workers.items():
+        assert sim.state.cached_hashes(wid) == set(worker.pool.registered_hashes())
+    assert [view.version for view in sim.replicas] == [sim.state.version] * 2

@@ -5,10 +5,13 @@ What runs where (one Ray cluster):
 - `pagefleet-scheduler`: the central scheduler actor (restartable, no CPU).
 - `pagefleet-worker-<pool>-<i>`: one `WorkerActor` per GPU (CPU workers on a
   machine without one), restartable, spread over the nodes.
-- `pagefleet-ingress`: a Ray Serve deployment (one replica) whose replica runs
+- `pagefleet-ingress`: a Ray Serve deployment (`server.ingress_replicas`
+  replicas, on the head node, sharing its ports through SO_REUSEPORT) whose
+  every replica runs
   our own `grpc.aio` server (Generation + health + reflection), the OpenAI
-  HTTP server (uvicorn) and the Prometheus endpoint, and routes to the worker
-  actors directly with the local `Router`.
+  HTTP server (uvicorn) and the Prometheus endpoint, follows the scheduler's
+  view (versioned deltas) and routes to the worker actors directly with its
+  local `Router`.
 
 `start_cluster` creates all of it and returns a `RunningCluster` that knows the
 endpoints and shuts everything down again.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +51,7 @@ class IngressDeployment:
     """The Serve replica: one `Ingress` behind a gRPC server, the OpenAI HTTP server and /metrics.
 
     Serve runs this class's async constructor on the replica's event loop, so the
-    gRPC and HTTP servers, the worker polls and the Ray streaming calls share one loop.
+    gRPC and HTTP servers, the view subscription and the Ray streaming calls share one loop.
     """
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
@@ -56,11 +60,11 @@ class IngressDeployment:
         workers: dict[str, list[tuple[str, Any]]],
         grpc_port: int,
         metrics_port: int | None,
-        poll_interval_s: float = 0.1,
+        scheduler: Any,
         http_port: int | None = None,
     ) -> None:
         self.metrics = IngressMetrics()
-        self.ingress = Ingress(config, workers, poll_interval_s=poll_interval_s, metrics=self.metrics)
+        self.ingress = Ingress(config, workers, scheduler=scheduler, metrics=self.metrics)
         self.ingress.start()
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
@@ -77,16 +81,21 @@ class IngressDeployment:
                 await self.server.stop(grace=None)
                 await self.ingress.close()
                 raise
+        # Metrics are per replica, so each needs its own port: the configured one plus
+        # the replica's rank (0 stays "any free port").
+        if metrics_port:
+            metrics_port += _replica_rank()
         self.metrics_port = (
             None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
         )
 
-    async def endpoints(self) -> dict[str, int | None]:
-        """The ports this replica bound (useful when asked for port 0)."""
+    async def endpoints(self) -> dict[str, Any]:
+        """The ports this replica bound (useful when asked for port 0) and its replica id."""
         return {
             "grpc_port": self.grpc_port,
             "metrics_port": self.metrics_port,
             "http_port": None if self.http is None else self.http.port,
+            "replica_id": self.ingress.replica_id,
         }
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -200,7 +209,6 @@ def start_cluster(
     grpc_port: int | None = None,
     http_port: int | None = None,
     metrics_port: int | None = 0,
-    poll_interval_s: float = 0.1,
     ready_timeout_s: float = 300.0,
 ) -> RunningCluster:
     """Start (or join, with `address`) Ray, then the scheduler, the workers and the ingress.
@@ -222,19 +230,14 @@ def start_cluster(
         else:
             ray.init(address=address, namespace=NAMESPACE)
         started_ray = True
-    from pagefleet.scheduler.actor import start_scheduler
-
     namespace = ray.get_runtime_context().namespace
-    scheduler = start_scheduler(
-        namespace=namespace,
-        report_timeout_s=config.scheduler.report_timeout_s,
-        eviction=config.scheduler.eviction_watermarks(),
-    )
+    scheduler = _start_scheduler(config, namespace)
     workers = _start_workers(config, namespace)
     serve.start(http_options={"location": "NoServer"})
+    replicas = config.server.ingress_replicas
     deployment = serve.deployment(
         name=INGRESS_NAME,
-        num_replicas=1,
+        num_replicas=replicas,
         # On the head node: the address clients dial is the cluster's entry point,
         # and losing a worker node must never take the ingress with it.
         ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
@@ -248,12 +251,26 @@ def start_cluster(
     port = config.server.grpc_port if grpc_port is None else grpc_port
     if http_port is None:
         http_port = config.server.http_port
-    handle = serve.run(
-        deployment.bind(config, workers, port, metrics_port, poll_interval_s, http_port),
-        name=APP_NAME,
-        route_prefix=None,
-    )
-    handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 10)
+    reserved = []
+    if replicas > 1:
+        # Every replica must bind the same ports: choose "any free port" once, here,
+        # and hold it (SO_REUSEPORT) until the replicas have bound it too.
+        if port == 0:
+            port, sock = _reserve_port(config.server.host)
+            reserved.append(sock)
+        if http_port == 0:
+            http_port, sock = _reserve_port(config.server.host)
+            reserved.append(sock)
+    try:
+        handle = serve.run(
+            deployment.bind(config, workers, port, metrics_port, scheduler, http_port),
+            name=APP_NAME,
+            route_prefix=None,
+        )
+        handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 10)
+    finally:
+        for sock in reserved:
+            sock.close()
     ports = handle.endpoints.remote().result()
     return RunningCluster(
         config=config,
@@ -265,6 +282,36 @@ def start_cluster(
         ingress=handle,
         http_port=ports["http_port"],
     )
+
+
+def _start_scheduler(config: ClusterConfig, namespace: str) -> Any:
+    """The central scheduler actor with the config's timeouts and eviction watermarks."""
+    from pagefleet.scheduler.actor import start_scheduler
+
+    return start_scheduler(
+        namespace=namespace,
+        report_timeout_s=config.scheduler.report_timeout_s,
+        eviction=config.scheduler.eviction_watermarks(),
+        stall_timeout_s=config.scheduler.stall_timeout_s,
+        index_check_interval_s=config.scheduler.index_check_interval_s,
+    )
+
+
+def _replica_rank() -> int:
+    """This Serve replica's rank in its deployment (0 outside Serve)."""
+    try:
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # not in a replica, or an older Serve without ranks
+        return 0
+
+
+def _reserve_port(host: str) -> tuple[int, socket.socket]:
+    """A free port, bound (not listening) with SO_REUSEPORT so the replicas can bind it too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    return int(sock.getsockname()[1]), sock
 
 
 def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tuple[str, Any]]]:

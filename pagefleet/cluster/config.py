@@ -204,9 +204,17 @@ class SchedulerConfig:
     wait_queue_size: int = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
+    # A worker with work that streams nothing this long leaves routing (hung).
+    stall_timeout_s: float = 3.0
+    # How often each worker's index is compared with a snapshot (index drift metric).
+    index_check_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        if not self.stall_timeout_s > 0:
+            _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
+        if not self.index_check_interval_s > 0:
+            _fail("index_check_interval_s", f"must be > 0, got {self.index_check_interval_s}")
         if not self.report_interval_s > 0:
             _fail("report_interval_s", f"must be > 0, got {self.report_interval_s}")
         if not self.report_timeout_s > self.report_interval_s:
@@ -253,6 +261,9 @@ class ServerConfig:
     `drain_timeout_s`: on SIGINT/SIGTERM the server stops accepting and lets
     running streams finish for at most this long. `tls_cert_file` and
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
+
+    `ingress_replicas` Serve replicas of the ingress share these ports
+    (SO_REUSEPORT).
     """
 
     host: str = "0.0.0.0"
@@ -267,8 +278,10 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
+        _at_least("ingress_replicas", self.ingress_replicas, 1)
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:

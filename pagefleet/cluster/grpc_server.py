@@ -142,6 +142,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             req = request_from_proto(
                 request, pool=pool, salt=tenant.cache_salt(), tenant=tenant.name
             )
+            # Which ingress replica serves the stream (several share the port).
+            await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
             async for delta in self._drain.generate(req):
                 yield delta_to_proto(delta)
         except IngressError as exc:
@@ -283,6 +285,9 @@ async def start_grpc_server(
         options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
+            # The ingress replicas of one node share the port; the kernel spreads
+            # connections over them.
+            ("grpc.so_reuseport", 1),
         ]
     )
     add_generation_service(GenerationServicer(ingress, drain), server)

@@ -3,17 +3,19 @@
 `Ingress` is the cluster's front door without any wire protocol (gRPC lives
 in `pagefleet.cluster.grpc_server`). Per request it tokenizes the prompt,
 asks the local `Router` for a worker (no remote call on that path), opens a
-Ray streaming call to the worker and relays the deltas. A background task
-polls every worker for its load report and KV events and feeds the router,
-so the router's index of cached prefixes stays fresh asynchronously.
+Ray streaming call to the worker and relays the deltas. The ingress never
+polls workers: a background task follows the central scheduler's view
+(`pagefleet.cluster.fleet_view`: versioned deltas of liveness, load and the
+prefix index) and applies it to the router and the worker slots, so every
+replica routes on one cluster-wide view, kept fresh asynchronously.
 
 Admission (late binding): a request is sent to a worker only when some live
 worker of its pool has room for it (fewer than max_num_seqs of the ingress's
 requests in flight there and, by its latest load report, free plus cached
 blocks for the prompt's uncached blocks). Otherwise it waits in the pool's
 bounded `FairWaitQueue` at the ingress (tenants sharing the pool in weighted
-fair order, FIFO within a tenant) and is routed when a request finishes or a
-poll shows capacity, so the router places it with fresh load and cache
+fair order, FIFO within a tenant) and is routed when a request finishes or the
+view shows capacity, so the router places it with fresh load and cache
 information instead of it queuing blind inside one worker's engine. Past the
 queue's bound, or past the tenant's share of it, the request is refused with
 RESOURCE_EXHAUSTED.
@@ -21,7 +23,15 @@ RESOURCE_EXHAUSTED.
 Faults: when a worker dies mid-stream, the request is re-submitted to
 another live worker of the same pool as prompt + the tokens already streamed
 (recompute), with `max_tokens` reduced by what was streamed; the client's
-stream simply continues. Greedy output is unchanged by the failover.
+stream simply continues. Greedy output is unchanged by the failover. The
+same happens when the scheduler takes a worker out of routing while it holds
+streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
+the streams move by recompute, and the hung copies are aborted, so their
+blocks are freed as soon as the worker wakes.
+
+Several ingress replicas can run side by side; each has its own wait queue,
+metrics and health, and tags the request ids it sends to workers with its
+replica id, so ids stay unique cluster-wide.
 """
 
 from __future__ import annotations
@@ -31,8 +41,10 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,18 +58,25 @@ from ray.exceptions import (
 )
 
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
+from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
 from pagefleet.scheduler.fair_queue import FairWaitQueue
 from pagefleet.scheduler.policy import ResourceExhausted, can_admit
+from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.events import EventDecodeError, KVEventBatch, LoadReport
+from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.wire import TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
 # Failures that mean "the worker is gone", as opposed to an error of the request.
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError, ObjectLostError)
+
+
+class WorkerLeftRouting(Exception):
+    """The scheduler took the worker out of routing (hung or silent) while a stream ran there."""
 
 
 class ErrorCode(enum.Enum):
@@ -187,14 +206,12 @@ class WorkerSlot:
     pool: str
     handle: Any
     alive: bool = False
-    incarnation: str | None = None
     node_id: str = ""
     report: LoadReport | None = None
     requests_routed: int = 0
-    # At most one poll call in flight per worker: a slow or restarting worker must
-    # not pile up calls, and each KV event batch must be applied exactly once.
-    poll_task: asyncio.Task[tuple[str, bytes, bytes]] | None = None
-    poll_started: float = 0.0
+    # Set when the worker leaves routing: streams running there stop waiting on it and
+    # move. A fresh event each time it comes back.
+    left: asyncio.Event = field(default_factory=asyncio.Event)
     # Requests this ingress has sent to the worker and not seen finish: exact and
     # never stale, unlike the report's counts, so admission counts on it.
     in_flight: int = 0
@@ -225,8 +242,11 @@ class _Running:
 class Ingress:
     """Routes requests over the worker actors of each pool; see the module docstring.
 
-    `workers` maps pool name to (worker_id, actor handle) pairs. Call `start()`
-    on the event loop that will serve requests, `close()` to stop polling.
+    `workers` maps pool name to (worker_id, actor handle) pairs; `scheduler`
+    is the central scheduler's actor handle, whose view this replica follows
+    (None: nothing follows it, and `fleet.apply` feeds the view by hand).
+    Call `start()` on the event loop that will serve requests, `close()` to
+    stop following.
     """
 
     def __init__(
@@ -234,14 +254,17 @@ class Ingress:
         config: ClusterConfig,
         workers: Mapping[str, Sequence[tuple[str, Any]]],
         *,
-        poll_interval_s: float = 0.1,
+        scheduler: Any = None,
         metrics: IngressMetrics | None = None,
         router_seed: int | None = None,
     ) -> None:
         self.config = config
         self.router = Router(config.router, seed=router_seed)
         self.metrics = metrics
-        self._poll_interval_s = poll_interval_s
+        # The pid lets an operator (or a test) find the replica's process from a stream.
+        self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._scheduler = scheduler
+        self.fleet = FleetView(self.router, self._on_delta, self.replica_id)
         self._slots: dict[str, WorkerSlot] = {}
         self._pools: dict[str, list[WorkerSlot]] = {}
         for pool in config.pools:
@@ -251,7 +274,7 @@ class Ingress:
                 self._slots[worker_id] = slot
                 self._pools[pool.name].append(slot)
                 self.router.add_worker(worker_id, pool.name, block_size=pool.block_size)
-                # Out of routing until its first poll answers (it may still be loading).
+                # Out of routing until the scheduler's view has it (it may still be loading).
                 self.router.set_alive(worker_id, False)
         self._tokenizers: dict[str, Any] = {}
         self._max_token_chars: dict[str, int] = {}
@@ -269,7 +292,13 @@ class Ingress:
                 lambda: {pool.name: self._waiting.size(pool.name) for pool in config.pools}
             )
             metrics.name_tenants({t.cache_salt(): t.name for t in config.tenants})
-        self._poller: asyncio.Task[None] | None = None
+            metrics.track_view(self.fleet.staleness_s)
+            metrics.track_preemption_rate(self.preemptions_per_minute)
+        self._follower: asyncio.Task[None] | None = None
+        # Per pool, (time, pool-wide preemptions so far) samples of the last minute.
+        self._preemption_samples: dict[str, deque[tuple[float, int]]] = {
+            pool.name: deque() for pool in config.pools
+        }
         self.policy = config.router.policy
 
     def set_router_policy(self, policy: str) -> None:
@@ -281,18 +310,20 @@ class Ingress:
     # ----- lifecycle ----------------------------------------------------
 
     def start(self) -> None:
-        """Start the background poll of worker reports and KV events."""
-        if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+        """Start following the scheduler's view."""
+        if self._follower is None and self._scheduler is not None:
+            self._follower = asyncio.get_running_loop().create_task(
+                self.fleet.follow(self._scheduler)
+            )
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+            self._follower = None
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Load the tokenizers, then wait until every worker has answered a poll."""
+        """Load the tokenizers, then wait until the view shows every worker alive."""
         for pool in self.config.pools:
             # Loading blocks the event loop for a moment: do it before serving, not
             # on the first request.
@@ -302,7 +333,6 @@ class Ingress:
             if time.monotonic() > deadline:
                 missing = [s.worker_id for s in self._slots.values() if not s.alive]
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {missing}")
-            await self.poll_once()
             await asyncio.sleep(0.05)
 
     # ----- requests -----------------------------------------------------
@@ -346,27 +376,26 @@ class Ingress:
                 state.slot.requests_routed += 1
                 try:
                     async for item in self._stream(state.slot, req, prompt, params):
-                        if "error" in item:
-                            code = ErrorCode(item.get("code", "invalid_argument"))
-                            raise IngressError(code, item["error"])
+                        if item.error is not None:
+                            raise IngressError(ErrorCode(item.error_code), item.error)
                         if cached_tokens is None:
-                            cached_tokens = item["cached_tokens"]
-                        streamed.extend(item["token_ids"])
-                        if item["token_ids"] and first_token_at is None:
+                            cached_tokens = item.cached_tokens
+                        streamed.extend(item.token_ids)
+                        if item.token_ids and first_token_at is None:
                             first_token_at = time.monotonic()
-                        finish = item["finish_reason"]
+                        finish = item.finish_reason
                         if state.aborted and finish is None:
                             continue  # the worker is aborting; its last delta says "abort"
                         yield StreamDelta(
                             request_id=req.request_id,
-                            token_ids=list(item["token_ids"]),
-                            text=item["text"],
+                            token_ids=list(item.token_ids),
+                            text=item.text,
                             finish_reason=finish,
                             worker_id=state.slot.worker_id,
                             prompt_tokens=prompt_tokens,
                             completion_tokens=len(streamed),
                             cached_tokens=cached_tokens or 0,
-                            logprobs=item.get("logprobs"),
+                            logprobs=None if item.logprobs is None else list(item.logprobs),
                         )
                         if finish is not None:
                             finished = True
@@ -383,12 +412,16 @@ class Ingress:
                         ErrorCode.INTERNAL,
                         f"worker {state.slot.worker_id} failed: {type(exc.cause).__name__}: {exc.cause}",
                     ) from exc
-                except WORKER_FAILURES as exc:
+                except (*WORKER_FAILURES, WorkerLeftRouting) as exc:
                     logger.warning(
                         "worker %s failed mid-stream of %s (%s); resubmitting",
                         state.slot.worker_id, req.request_id, type(exc).__name__,
                     )
-                    self._mark_dead(state.slot)
+                    if isinstance(exc, WorkerLeftRouting):
+                        # Hung, not dead: its copy must go when it wakes, freeing its blocks.
+                        _fire_and_forget(state.slot.handle.abort.remote(self._worker_rid(req.key)))
+                    else:
+                        self._mark_dead(state.slot)
                     if self.metrics is not None:
                         self.metrics.failovers.labels(pool=pool.name).inc()
                 if state.aborted or len(streamed) >= req.params.max_tokens:
@@ -412,7 +445,7 @@ class Ingress:
                 if not finished:
                     # Client gone (cancel, disconnect) or an error: the worker must free
                     # the request's blocks now, not when it would have finished.
-                    _fire_and_forget(state.slot.handle.abort.remote(req.key))
+                    _fire_and_forget(state.slot.handle.abort.remote(self._worker_rid(req.key)))
             elif not isinstance(admitted, WorkerSlot):
                 self._leave_queue(req.key, admitted)
             else:
@@ -436,17 +469,44 @@ class Ingress:
         state.aborted = True
         # A dead worker needs no abort: the failover path ends the stream with "abort".
         with contextlib.suppress(*WORKER_FAILURES):
-            await state.slot.handle.abort.remote(request_id)
+            await state.slot.handle.abort.remote(self._worker_rid(request_id))
         return True
+
+    def _worker_rid(self, key: str) -> str:
+        # `key` is unique per tenant at this replica (`GenerationRequest.key`); tagged with
+        # the replica, it is unique at every worker.
+        return f"{key}@{self.replica_id}"
 
     async def _stream(
         self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[dict[str, Any]]:
-        gen = slot.handle.generate.options(num_returns="streaming").remote(
-            req.key, prompt, params, req.priority, req.salt
+    ) -> AsyncIterator[TokenDelta]:
+        """The worker's deltas; raises WorkerLeftRouting when the scheduler takes it out
+        of routing mid-stream (a hung worker never ends the stream by itself)."""
+        left = slot.left
+        if left.is_set():
+            raise WorkerLeftRouting(slot.worker_id)
+        request = WorkerRequest(
+            self._worker_rid(req.key),
+            prompt if isinstance(prompt, str) else tuple(prompt),
+            params,
+            req.priority,
+            req.salt,
         )
-        async for ref in gen:
-            yield await ref
+        gen = slot.handle.generate.options(num_returns="streaming").remote(request)
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            while True:
+                step = asyncio.ensure_future(_next_item(gen))
+                await asyncio.wait({step, leaving}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    raise WorkerLeftRouting(slot.worker_id)
+                item = step.result()
+                if item is None:
+                    return
+                yield item
+        finally:
+            leaving.cancel()
 
     # ----- tenants ------------------------------------------------------
 
@@ -568,14 +628,14 @@ class Ingress:
             return False
         if slot.report is None:
             return True
-        # The report may be one poll old; the poll that refreshes it dispatches again.
+        # The report may be one push old; the delta that refreshes it dispatches again.
         matched = self.router.matched_blocks(slot.worker_id, hashes)
         return can_admit(slot.report, len(prompt_ids), pool.block_size, matched_blocks=matched)
 
     def _dispatch(self, pool_name: str) -> None:
         """Route the pool's waiting requests, in fair order, while a worker has room for them."""
         # With every worker out of routing (restarting, or a late report) the waiters
-        # keep waiting: the poll that sees a worker back dispatches them.
+        # keep waiting: the view delta that shows a worker back dispatches them.
         pool = self._pool_config(pool_name)
         while (head := self._waiting.peek(pool_name)) is not None:
             request_id, waiter = head
@@ -677,71 +737,69 @@ class Ingress:
 
     def _mark_dead(self, slot: WorkerSlot) -> None:
         slot.alive = False
+        slot.left.set()
         self.router.set_alive(slot.worker_id, False)
         if self.metrics is not None:
             self.metrics.mark_dead(slot.pool, slot.worker_id)
 
-    # ----- worker reports -----------------------------------------------
+    # ----- the scheduler's view -------------------------------------------
 
-    async def _poll_loop(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let one bad round stop routing updates
-                logger.exception("worker poll failed")
-            await asyncio.sleep(self._poll_interval_s)
-
-    async def poll_once(self) -> None:
-        """Pull every worker's load report and KV events once (concurrently), then
-        route waiting requests the fresh reports show room for."""
-        await asyncio.gather(*(self._poll_worker(slot) for slot in self._slots.values()))
-        for pool in self._pools:
-            self._dispatch(pool)
-
-    async def _poll_worker(self, slot: WorkerSlot) -> None:
-        task = slot.poll_task
-        if task is None:
-            task = slot.poll_task = asyncio.get_running_loop().create_task(self._fetch(slot))
-            slot.poll_started = time.monotonic()
-        await asyncio.wait({task}, timeout=max(self._poll_interval_s, 0.01))
-        if not task.done():
-            # Still waiting (busy, or restarting): out of routing once past the deadline.
-            if slot.alive and time.monotonic() - slot.poll_started > self.config.scheduler.report_timeout_s:
-                logger.warning("worker %s out of routing: no report in time", slot.worker_id)
-                self._mark_dead(slot)
-            return
-        if slot.poll_task is not task:
-            return  # a concurrent poll_once already applied this result
-        slot.poll_task = None
-        try:
-            _incarnation, report_bytes, kv_bytes = task.result()
-            report = LoadReport.decode(report_bytes)
-            batch = KVEventBatch.decode(kv_bytes)
-        except (EventDecodeError, *WORKER_FAILURES) as exc:
-            if slot.alive:
-                logger.warning("worker %s out of routing: %s", slot.worker_id, type(exc).__name__)
+    def _on_delta(self, delta: WorkerDelta) -> None:
+        """One worker's new state from the scheduler (the router already has it)."""
+        slot = self._slots.get(delta.info.worker_id)
+        if slot is None:
+            return  # a worker this deployment does not route to (another app's pool)
+        if delta.gone:
             self._mark_dead(slot)
             return
-        slot.report = report
-        self.router.apply_load_report(report)
-        # The first batch of a (re)started worker has reset=True: the router drops
-        # what it indexed for the previous incarnation.
-        self.router.apply_kv_events(batch)
-        if not slot.alive:
-            slot.alive = True
-            self.router.set_alive(slot.worker_id, True)
+        slot.node_id = delta.info.node_id or slot.node_id
+        if delta.report is not None and delta.report.supersedes(slot.report):
+            slot.report = delta.report
+            self._sample_preemptions(slot.pool)
+            if self.metrics is not None:
+                self.metrics.observe_report(delta.report)
         if self.metrics is not None:
-            self.metrics.observe_report(report)
+            self.metrics.index_drift.labels(slot.pool, slot.worker_id).set(delta.drift_blocks)
+        if delta.alive and not slot.alive:
+            slot.alive = True
+            slot.left = asyncio.Event()
+        elif not delta.alive and slot.alive:
+            logger.warning(
+                "worker %s out of routing (%s)",
+                slot.worker_id, "hung: work but no progress" if delta.stalled else "no report in time",
+            )
+            # No new requests go there. Its streams stay unless it is hung: a late
+            # report alone may be a slow scheduler or a busy machine, and a dead
+            # worker's streams fail over by themselves.
+            slot.alive = False
+            if self.metrics is not None:
+                self.metrics.mark_dead(slot.pool, slot.worker_id)
+        if delta.stalled and not slot.left.is_set():
+            slot.left.set()  # hung: its streams move now (see `_stream`)
+        # Fresh load or a worker back: route waiting requests it has room for.
+        self._dispatch(slot.pool)
 
-    async def _fetch(self, slot: WorkerSlot) -> tuple[str, bytes, bytes]:
-        incarnation, report_bytes, kv_bytes = await slot.handle.poll.remote()
-        if incarnation != slot.incarnation:
-            info = await slot.handle.info.remote()
-            slot.node_id = info["node_id"]
-            slot.incarnation = incarnation
-        return incarnation, report_bytes, kv_bytes
+    def _sample_preemptions(self, pool: str) -> None:
+        now = time.monotonic()
+        total = sum(
+            sum(s.report.preemptions.values()) for s in self._pools[pool] if s.report is not None
+        )
+        samples = self._preemption_samples[pool]
+        samples.append((now, total))
+        while len(samples) > 1 and now - samples[1][0] >= 60.0:
+            samples.popleft()
+
+    def preemptions_per_minute(self) -> dict[str, float]:
+        """Preemptions per pool over the last minute (counting from the oldest sample
+        in that minute; a restarted worker's counters starting over count as 0)."""
+        out: dict[str, float] = {}
+        for pool, samples in self._preemption_samples.items():
+            if len(samples) < 2:
+                out[pool] = 0.0
+                continue
+            (t0, first), (t1, last) = samples[0], samples[-1]
+            out[pool] = max(0, last - first) * 60.0 / max(t1 - t0, 60.0)
+        return out
 
     # ----- status -------------------------------------------------------
 
@@ -823,6 +881,16 @@ def load_tokenizer(model: str) -> Any:
     from pagefleet.worker import model_files
 
     return model_files.load_tokenizer(model_files.resolve_model_path(model))
+
+
+async def _next_item(gen: Any) -> TokenDelta | None:
+    """The next delta of a Ray streaming call, or None at its end."""
+    try:
+        ref = await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    delta: TokenDelta = await ref
+    return delta
 
 
 def _worker_status(slot: WorkerSlot) -> dict[str, Any]:

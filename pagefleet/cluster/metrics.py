@@ -74,6 +74,34 @@ class _WaitQueueCollector:
         yield family
 
 
+class _ViewCollector:
+    """Reads how long ago the scheduler's view was last heard from, at scrape time."""
+
+    def __init__(self, staleness_s: Callable[[], float]) -> None:
+        self._staleness_s = staleness_s
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "fleet_view_staleness_seconds",
+            "seconds since this ingress replica last heard from the central scheduler",
+        )
+        family.add_metric([], self._staleness_s())
+        yield family
+
+
+class _PoolGaugeCollector:
+    """A per-pool gauge read from a callback at scrape time."""
+
+    def __init__(self, name: str, doc: str, values: Callable[[], Mapping[str, float]]) -> None:
+        self._name, self._doc, self._values = name, doc, values
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self._name, self._doc, labels=["pool"])
+        for pool, value in self._values().items():
+            family.add_metric([pool], value)
+        yield family
+
+
 class IngressMetrics:
     """All pagefleet metrics in one registry (one per ingress, so tests can make several)."""
 
@@ -114,6 +142,11 @@ class IngressMetrics:
         self.e2e = Histogram(
             "e2e_request_latency_seconds", "request arrival to last token", ("pool",),
             buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.index_drift = Gauge(
+            "kv_index_drift_blocks",
+            "blocks the scheduler's index believed cached that the worker did not hold, at its last check",
+            labels, registry=self.registry,
         )
         self.failovers = Counter(
             "failovers", "streams resumed on another worker after a worker failure", ("pool",),
@@ -187,6 +220,20 @@ class IngressMetrics:
     def track_wait_queue(self, sizes: Callable[[], Mapping[str, int]]) -> None:
         """Export `ingress_waiting_requests{pool}`, read from `sizes()` at each scrape."""
         self.registry.register(_WaitQueueCollector(sizes))
+
+    def track_view(self, staleness_s: Callable[[], float]) -> None:
+        """Export `fleet_view_staleness_seconds`, read from `staleness_s()` at each scrape."""
+        self.registry.register(_ViewCollector(staleness_s))
+
+    def track_preemption_rate(self, per_minute: Callable[[], Mapping[str, float]]) -> None:
+        """Export `preemptions_per_minute{pool}`, read from `per_minute()` at each scrape."""
+        self.registry.register(
+            _PoolGaugeCollector(
+                "preemptions_per_minute",
+                "sequences preempted in the pool over the last minute, from the workers' reports",
+                per_minute,
+            )
+        )
 
     def mark_dead(self, pool: str, worker_id: str) -> None:
         self.worker_alive.labels(pool, worker_id).set(0)

@@ -1,7 +1,8 @@
 """Prefix-affinity request router: a plain class, no Ray, no remote call per request.
 
 The router keeps, per worker, the set of block hashes that worker holds in
-its prefix cache, fed asynchronously by the worker's KV events. To route a
+its prefix cache, fed asynchronously by the central scheduler's view deltas
+(`apply_delta`, see `pagefleet.cluster.fleet_view`). To route a
 prompt it computes the prompt's chained block hashes (the workers' own
 function, salted by tenant), finds each live worker's longest cached prefix,
 and picks the lowest
@@ -29,11 +30,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagefleet.worker.events import KVEventBatch, LoadReport, decode_message
+from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
-    from pagefleet.scheduler.state import ClusterView
+    from pagefleet.scheduler.state import WorkerDelta
 
 ROUTING_POLICIES = ("prefix_affinity", "round_robin", "least_loaded", "power_of_two")
 
@@ -98,7 +99,6 @@ class _Worker:
         "alive",
         "bit",
         "block_size",
-        "last_kv_seq",
         "pending_blocks",
         "pool",
         "report",
@@ -114,7 +114,6 @@ class _Worker:
         self.alive = True
         self.speculative: dict[bytes, float] = {}  # hash -> expiry, from our own routing
         self.report: LoadReport | None = None
-        self.last_kv_seq = -1
         # Uncached blocks routed here since the last load report: keeps a burst from
         # piling onto one worker between two reports.
         self.pending_blocks = 0
@@ -153,7 +152,6 @@ class Router:
         self._free_slots: list[int] = []
         self._expiries: deque[tuple[float, str, bytes]] = deque()
         self._rr_next: dict[str, int] = {}
-        self.index_gaps = 0
 
     # membership -----------------------------------------------------------------------
 
@@ -217,58 +215,48 @@ class Router:
         worker.report = report
         worker.pending_blocks = 0
 
-    def apply_kv_events(self, batch: KVEventBatch) -> None:
-        """Update a worker's cached-hash index; batches of unknown workers are dropped."""
-        worker = self._workers.get(batch.worker_id)
-        if worker is None:
+    def apply_delta(self, delta: WorkerDelta) -> None:
+        """Apply one change of the scheduler's view: membership, liveness, load, index.
+
+        A delta of an unknown worker adds it; `gone` removes it. Stored and
+        removed hashes (and the offload tier's) update the worker's bits in the index (a snapshot's
+        deltas follow `clear_index`, so their `stored` lists rebuild it).
+        """
+        info = delta.info
+        if delta.gone:
+            self.remove_worker(info.worker_id)
             return
-        if batch.reset:
-            # A (re)started worker: empty cache, and its report seq starts over too.
-            self._clear_index(worker)
-            worker.report = None
-        elif worker.last_kv_seq >= 0 and batch.seq != worker.last_kv_seq + 1:
-            # A lost batch leaves the index stale; that costs hit rate, never correctness.
-            self.index_gaps += 1
-        worker.last_kv_seq = batch.seq
+        worker = self._workers.get(info.worker_id)
+        if worker is None:
+            self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
+            worker = self._workers[info.worker_id]
+        worker.alive = delta.alive
+        if delta.report is not None:
+            self.apply_load_report(delta.report)
         bit = worker.bit
         holders, confirmed, speculative = self._holders, self._confirmed, worker.speculative
-        for kind, block_hash in batch.events:
-            if kind == "offload_stored":
-                self._offload[block_hash] = self._offload.get(block_hash, 0) | bit
-                continue
-            if kind == "offload_removed":
-                _clear_bit(self._offload, block_hash, bit)
-                continue
+        for block_hash in delta.stored:
             speculative.pop(block_hash, None)
-            if kind == "stored":
-                confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
-                holders[block_hash] = holders.get(block_hash, 0) | bit
-            else:
-                _clear_bit(confirmed, block_hash, bit)
-                _clear_bit(holders, block_hash, bit)
+            confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
+            holders[block_hash] = holders.get(block_hash, 0) | bit
+        for block_hash in delta.removed:
+            speculative.pop(block_hash, None)
+            _clear_bit(confirmed, block_hash, bit)
+            _clear_bit(holders, block_hash, bit)
+        offload = self._offload
+        for block_hash in delta.offload_stored:
+            offload[block_hash] = offload.get(block_hash, 0) | bit
+        for block_hash in delta.offload_removed:
+            _clear_bit(offload, block_hash, bit)
 
-    def apply_message(self, data: bytes) -> None:
-        """Decode a load report or KV event batch and apply it."""
-        message = decode_message(data)
-        if isinstance(message, LoadReport):
-            self.apply_load_report(message)
-        else:
-            self.apply_kv_events(message)
-
-    def apply_view(self, view: ClusterView) -> None:
-        """Sync membership, liveness and load from the scheduler's snapshot.
-
-        Workers missing from the view are kept as they are: a restarted
-        scheduler's view is empty until workers re-register, and routing must
-        go on meanwhile.
-        """
-        for wv in view.workers:
-            info = wv.info
-            if info.worker_id not in self._workers:
-                self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
-            self._workers[info.worker_id].alive = wv.alive
-            if wv.report is not None:
-                self.apply_load_report(wv.report)
+    def clear_index(self) -> None:
+        """Forget every indexed hash (before applying a snapshot); workers and loads stay."""
+        self._holders = {}
+        self._confirmed = {}
+        self._offload = {}
+        self._expiries.clear()
+        for worker in self._workers.values():
+            worker.speculative.clear()
 
     # queries --------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from pagefleet.cluster.app import (
     HEAD_NODE_RESOURCE,
     INGRESS_NAME,
     IngressDeployment,
+    _start_scheduler,
     _start_workers,
 )
 from pagefleet.cluster.config import ClusterConfig, ConfigError
@@ -58,19 +59,17 @@ class WorkerOwner:
     """
 
     def __init__(self, config: ClusterConfig) -> None:
-        from pagefleet.scheduler.actor import start_scheduler
-
         namespace = ray.get_runtime_context().namespace
-        self.scheduler = start_scheduler(
-            namespace=namespace,
-            report_timeout_s=config.scheduler.report_timeout_s,
-            eviction=config.scheduler.eviction_watermarks(),
-        )
+        self.scheduler = _start_scheduler(config, namespace)
         self.workers = _start_workers(config, namespace)
 
     def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
         """`{pool: [(worker_id, actor handle), ...]}`."""
         return self.workers
+
+    def get_scheduler(self) -> Any:
+        """The central scheduler's actor handle (the ingress follows its view)."""
+        return self.scheduler
 
 
 class ServeIngress(IngressDeployment):
@@ -84,11 +83,13 @@ class ServeIngress(IngressDeployment):
         ready_timeout_s: float,
     ) -> None:
         workers = await owner.get_workers.remote()
+        scheduler = await owner.get_scheduler.remote()
         await super().__init__(
             config,
             workers,
             config.server.grpc_port,
             metrics_port,
+            scheduler,
             http_port=config.server.http_port,
         )
         await self.wait_ready(ready_timeout_s)
@@ -154,9 +155,8 @@ def build_application(args: Mapping[str, Any]) -> Application:
     )(WorkerOwner)
     ingress = serve.deployment(
         name=INGRESS_NAME,
-        num_replicas=1,
-        # Its ports are fixed: two replicas on one node would collide.
-        max_replicas_per_node=1,
+        # Replicas on one node share the config's ports (SO_REUSEPORT).
+        num_replicas=parsed.config.server.ingress_replicas,
         ray_actor_options=on_ingress_node,
         logging_config=quiet,
         # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.

@@ -1,4 +1,4 @@
-"""Discrete-event simulator: N workers with real block pools behind the real router.
+"""Discrete-event simulator: N workers with real block pools behind the real scheduler and router.
 
 Compares routing policies offline on a shared-prefix workload: groups of
 requests share a long system prompt, each request adds a unique suffix.
@@ -7,10 +7,13 @@ KV events) and a simple service model: prefills are serialized on the
 worker (compute-bound, cost per uncached token), decodes run batched (a fixed
 time per output token), at most `max_num_seqs` requests run at once, and a
 request is admitted only when its prompt plus output blocks can be allocated.
-The router sees the workers the way it does in the cluster: KV events arrive
-after `kv_event_delay_s`, load reports every `report_interval_s`.
+The cluster state travels as it does in the cluster, through the same code:
+each worker pushes its KV events (after `kv_event_delay_s`) and its load
+report (every `report_interval_s`) to a real `ClusterState`; each of
+`num_ingress_replicas` replicas follows it with a real `FleetView` and routes
+with its own real `Router`; arrivals go to the replicas in turn.
 
-    python -m pagefleet.cluster.simulator --workers 4 --groups 8
+    python -m pagefleet.cluster.simulator --workers 4 --groups 8 --ingress-replicas 1,2,4
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
+from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
-from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 _POOL = "sim"
@@ -66,9 +71,10 @@ class SimConfig:
     decode_s_per_token: float = 0.02
     report_interval_s: float = 0.25
     kv_event_delay_s: float = 0.02
+    num_ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs"):
+        for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "num_ingress_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefill_s_per_token", "decode_s_per_token", "report_interval_s", "kv_event_delay_s"):
@@ -81,6 +87,7 @@ class SimResult:
     """What one policy achieved on one workload."""
 
     policy: str
+    num_ingress_replicas: int
     num_requests: int
     hit_rate: float  # prompt tokens served from a worker's prefix cache
     ideal_hit_rate: float  # the same with one shared, unbounded cache
@@ -118,6 +125,7 @@ class _Worker:
         self.served = 0
         self.hit_tokens = 0
         self.prompt_tokens = 0
+        self.progress = 0  # prefills and finishes so far: the scheduler's sign of progress
 
     def report(self, now: float) -> LoadReport:
         s = self.pool.stats()
@@ -126,8 +134,12 @@ class _Worker:
             self.worker_id, _POOL, self.report_seq, now, s.total, s.free, s.live, s.cached,
             s.peak_live, num_running=self.running, num_waiting=len(self.waiting),
             evictions=s.evictions, prefix_query_tokens=self.prompt_tokens,
-            prefix_hit_tokens=self.hit_tokens,
+            prefix_hit_tokens=self.hit_tokens, incarnation="sim", progress=self.progress,
         )  # fmt: skip
+
+    def kv_batch(self, events: list[tuple[str, bytes]]) -> KVEventBatch:
+        self.kv_seq += 1
+        return KVEventBatch.from_engine(self.worker_id, self.kv_seq, events, incarnation="sim")
 
 
 class Simulation:
@@ -146,14 +158,27 @@ class Simulation:
         self.cfg = cfg
         self.policy = policy
         self.now = 0.0
-        self.router = Router(
-            replace(router_config or RouterConfig(), policy=policy),
-            seed=workload.seed,
-            clock=lambda: self.now,
+        # The simulation models no hangs: only routing and caching are under study.
+        self.state = ClusterState(
+            report_timeout_s=1e9, stall_timeout_s=1e9, clock=lambda: self.now, generation=1
         )
+        self.replicas = [
+            FleetView(
+                Router(
+                    replace(router_config or RouterConfig(), policy=policy),
+                    seed=workload.seed + i,
+                    clock=lambda: self.now,
+                ),
+                lambda _delta: None,
+            )
+            for i in range(cfg.num_ingress_replicas)
+        ]
         self.workers = {f"w{i}": _Worker(f"w{i}", cfg) for i in range(cfg.num_workers)}
-        for wid in self.workers:
-            self.router.add_worker(wid, _POOL, block_size=cfg.block_size)
+        for wid, worker in self.workers.items():
+            self.state.register_worker(WorkerInfo(wid, _POOL, cfg.num_blocks, cfg.block_size))
+            self.state.push(worker.report(0.0), replace(worker.kv_batch([]), reset=True))
+        self._sync()
+        self._next_replica = 0
         self._events: list[tuple[float, int, str, Any]] = []
         self._tie = 0
         self._finished: list[_Request] = []
@@ -179,22 +204,37 @@ class Simulation:
             getattr(self, f"_on_{kind}")(payload)
         return self._result(requests)
 
+    @property
+    def router(self) -> Router:
+        """The first replica's router."""
+        return self.replicas[0].router
+
+    def _sync(self) -> None:
+        # What each replica's long poll would bring back now.
+        for view in self.replicas:
+            view.apply(self.state.updates_since(view.generation, view.version))
+
     def _on_arrival(self, req: _Request) -> None:
-        decision = self.router.route_hashes(_POOL, req.hashes)
+        view = self.replicas[self._next_replica % len(self.replicas)]
+        self._next_replica += 1
+        decision = view.router.route_hashes(_POOL, req.hashes)
         worker = self.workers[decision.worker_id]
         worker.waiting.append(req)
         self._admit(worker)
 
     def _on_report(self, _: None) -> None:
         for worker in self.workers.values():
-            self.router.apply_load_report(worker.report(self.now))
+            self.state.push(worker.report(self.now), worker.kv_batch(worker.pool.drain_events()))
+        self._sync()
         self._at(self.now + self.cfg.report_interval_s, "report", None)
 
-    def _on_kv(self, batch: KVEventBatch) -> None:
-        self.router.apply_kv_events(batch)
+    def _on_kv(self, item: tuple[LoadReport, KVEventBatch]) -> None:
+        self.state.push(*item)
+        self._sync()
 
     def _on_prefilled(self, item: tuple[_Worker, _Request]) -> None:
         worker, req = item
+        worker.progress += 1
         for i, h in enumerate(req.hashes):
             worker.pool.register(req.blocks[i], h)
         self._publish(worker)
@@ -205,6 +245,7 @@ class Simulation:
         worker, req = item
         worker.pool.free(reversed(req.blocks))
         worker.running -= 1
+        worker.progress += 1
         self._finished.append(req)
         self._publish(worker)
         self._admit(worker)
@@ -242,9 +283,9 @@ class Simulation:
     def _publish(self, worker: _Worker) -> None:
         events = worker.pool.drain_events()
         if events:
-            worker.kv_seq += 1
-            batch = KVEventBatch.from_engine(worker.worker_id, worker.kv_seq, events)
-            self._at(self.now + self.cfg.kv_event_delay_s, "kv", batch)
+            # Pushed at once (like a report), delivered after the network delay.
+            item = (worker.report(self.now), worker.kv_batch(events))
+            self._at(self.now + self.cfg.kv_event_delay_s, "kv", item)
 
     # results ------------------------------------------------------------------------
 
@@ -255,6 +296,7 @@ class Simulation:
         makespan = max(self.now, 1e-9)
         return SimResult(
             policy=self.policy,
+            num_ingress_replicas=self.cfg.num_ingress_replicas,
             num_requests=len(requests),
             hit_rate=hit / prompt if prompt else 0.0,
             ideal_hit_rate=ideal_hit_rate(requests, self.cfg.block_size),
@@ -327,12 +369,12 @@ def compare_policies(
 def format_table(results: Sequence[SimResult]) -> str:
     """A markdown table of results, with hit rate relative to the ideal shared cache."""
     lines = [
-        "| policy | hit rate | vs ideal | TTFT p50 (s) | TTFT p99 (s) | req/s | evictions | busiest worker |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | ingress replicas | hit rate | vs ideal | TTFT p50 (s) | TTFT p99 (s) | req/s | evictions | busiest worker |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.policy} | {r.hit_rate:.1%} | {r.hit_rate_vs_ideal:.1%} | {r.ttft_p50_s:.3f} "
+            f"| {r.policy} | {r.num_ingress_replicas} | {r.hit_rate:.1%} | {r.hit_rate_vs_ideal:.1%} | {r.ttft_p50_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.throughput_rps:.1f} | {r.evictions} | {r.max_worker_share:.0%} |"
         )
     return "\n".join(lines)
@@ -349,15 +391,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
     parser.add_argument("--rate", type=float, default=Workload.arrival_rate, help="requests per second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ingress-replicas", default="1", metavar="N[,N...]",
+                        help="ingress replicas following one scheduler view, e.g. 1,2,4")
     args = parser.parse_args(argv)
     workload = Workload(
         num_requests=args.requests, num_groups=args.groups, system_prompt_tokens=args.system_tokens,
         suffix_tokens=args.suffix_tokens, arrival_rate=args.rate, seed=args.seed,
     )  # fmt: skip
-    cfg = SimConfig(num_workers=args.workers, num_blocks=args.blocks)
+    results = []
+    for n in (int(x) for x in args.ingress_replicas.split(",")):
+        cfg = SimConfig(num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n)
+        results += compare_policies(workload, cfg)
     print(workload)
-    print(cfg)
-    print(format_table(compare_policies(workload, cfg)))
+    print(format_table(results))
     return 0
 
 

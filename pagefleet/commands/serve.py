@@ -35,6 +35,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         "-1 disables)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="P",
                         help="Prometheus /metrics port (default: a free port; -1 disables)")
+    parser.add_argument("--ingress-replicas", type=int, metavar="N",
+                        help="ingress replicas sharing the ports (default: config, 1)")
     parser.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. auto, HOST:6379)")
     parser.set_defaults(func=run)
     return parser
@@ -58,6 +60,10 @@ def load_config(args: argparse.Namespace) -> Any:
                 raise CommandError(f"--http-port must be in [0, 65535] or -1 (disabled), got {http_port}")
             # -1 disables the OpenAI HTTP server (null in the config file).
             server = dataclasses.replace(config.server, http_port=None if http_port < 0 else http_port)
+            config = dataclasses.replace(config, server=server)
+        replicas = getattr(args, "ingress_replicas", None)
+        if replicas is not None:
+            server = dataclasses.replace(config.server, ingress_replicas=replicas)
             config = dataclasses.replace(config, server=server)
     except (ConfigError, OSError) as exc:
         raise CommandError(f"invalid config: {exc}") from exc

@@ -1,22 +1,37 @@
 """The central scheduler as a named, restartable Ray actor: a thin wrapper around ClusterState.
 
-The only file of `pagefleet.scheduler` that imports Ray. The actor keeps no
-state worth persisting: when Ray restarts it, `__init__` runs again with a new
-generation and an empty view, and workers re-register as soon as a report is
-answered with an unknown-worker or new-generation ack. Routers keep routing on
-their last view meanwhile.
+The only file of `pagefleet.scheduler` that imports Ray. Workers `push` their
+load reports and KV events here (nowhere else); ingress replicas `subscribe`
+to the resulting view as versioned deltas (a long poll from a cursor). A
+background task publishes liveness changes that only time causes (missed
+deadlines, hung workers).
+
+The actor keeps no state worth persisting: when Ray restarts it, `__init__`
+runs again with a new generation and an empty view; workers re-register as
+soon as a push is answered with an unknown-worker or new-generation ack, and
+send a snapshot of their cached hashes, which rebuilds the view within a
+push interval or two. Ingress replicas keep routing on their last view
+meanwhile, and switch to a snapshot of the new generation when it answers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from pagefleet.scheduler.policy import EvictionWatermarks
-from pagefleet.scheduler.state import ClusterState, ClusterView, PoolCapacity
-from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, WorkerInfo
+from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
+from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+# How often time-only liveness changes (deadlines, stalls) are published.
+TICK_INTERVAL_S = 0.1
 
 SCHEDULER_NAME = SCHEDULER_ACTOR_NAME
 # SchedulerConfig's defaults: evict ahead when under 5% of a worker's blocks are free.
@@ -34,41 +49,119 @@ class ReportAck:
     generation: int
     registered: bool
     evict_blocks: int = 0
+    snapshot: bool = False  # send a snapshot of every held hash with the next push
+    # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
+    dead_replicas: tuple[str, ...] = ()
+    # Of the blocks to evict, these first: hashes another worker of the pool also holds.
+    evict_first: tuple[bytes, ...] = ()
 
 
 class SchedulerActor:
-    """Plain class with the actor's methods; `start_scheduler` wraps it with `ray.remote`."""
+    """Plain class with the actor's methods; `start_scheduler` wraps it with `ray.remote`.
+
+    Its methods are coroutines, so Ray runs it as an async actor: a long-polling
+    subscriber waits without holding a thread.
+    """
 
     def __init__(
-        self, report_timeout_s: float = 3.0, eviction: EvictionWatermarks | None = DEFAULT_EVICTION
+        self,
+        report_timeout_s: float = 3.0,
+        eviction: EvictionWatermarks | None = DEFAULT_EVICTION,
+        stall_timeout_s: float = 3.0,
+        index_check_interval_s: float = 10.0,
     ) -> None:
-        self._state = ClusterState(report_timeout_s=report_timeout_s, eviction=eviction)
+        self._state = ClusterState(
+            report_timeout_s=report_timeout_s,
+            eviction=eviction,
+            stall_timeout_s=stall_timeout_s,
+            index_check_interval_s=index_check_interval_s,
+        )
+        self._changed = asyncio.Event()
+        self._ticker: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
 
-    def register_worker(self, info: WorkerInfo) -> int:
+    async def register_worker(self, info: WorkerInfo) -> int:
         """Add or refresh a worker (idempotent); returns the scheduler's generation."""
-        return self._state.register_worker(info)
+        generation = self._state.register_worker(info)
+        self._wake()
+        return generation
 
-    def deregister_worker(self, worker_id: str) -> bool:
+    async def deregister_worker(self, worker_id: str) -> bool:
         """Forget a worker; False if unknown."""
-        return self._state.deregister_worker(worker_id)
+        found = self._state.deregister_worker(worker_id)
+        self._wake()
+        return found
 
-    def report(self, worker_id: str, data: bytes) -> ReportAck:
-        """Accept a msgpack LoadReport; the ack says whether to re-register and what to evict."""
-        registered = self._state.report_bytes(worker_id, data)
-        evict = self._state.blocks_to_evict(worker_id) if registered else 0
-        return ReportAck(self._state.generation, registered, evict)
+    async def push(self, worker_id: str, report: bytes, kv_events: bytes) -> ReportAck:
+        """Accept one push of a worker: its msgpack LoadReport and KVEventBatch.
 
-    def get_view(self) -> ClusterView:
+        The ack says whether to re-register, what to evict, and whether to
+        send a snapshot next (after a sequence gap, for a new incarnation, or
+        for the periodic drift check).
+        """
+        load = LoadReport.decode(report)
+        batch = KVEventBatch.decode(kv_events)
+        if load.worker_id != worker_id:
+            raise ValueError(f"push from {worker_id!r} carries worker_id {load.worker_id!r}")
+        result = self._state.push(load, batch)
+        self._wake()
+        evict = self._state.blocks_to_evict(worker_id) if result.registered else 0
+        return ReportAck(
+            self._state.generation, result.registered, evict, result.snapshot,
+            self._state.dead_replicas(), self._state.eviction_hints(worker_id, evict),
+        )
+
+    async def subscribe(
+        self, generation: int | None, cursor: int, timeout_s: float = 5.0, replica_id: str = ""
+    ) -> ViewUpdate:
+        """Deltas after `cursor` (a snapshot when the subscriber cannot continue from it).
+
+        Waits up to `timeout_s` for something new before answering with no deltas.
+        `replica_id` names the subscribing ingress replica: one that stops
+        subscribing is dead, and workers abort the requests it sent.
+        """
+        self._state.note_replica(replica_id)
+        update = self._state.updates_since(generation, cursor)
+        if update.snapshot or update.deltas:
+            return update
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        return self._state.updates_since(generation, cursor)
+
+    async def get_view(self) -> ClusterView:
         """Snapshot of workers, liveness and latest reports."""
         return self._state.view()
 
-    def generation(self) -> int:
+    async def generation(self) -> int:
         """This incarnation's id; changes whenever the actor is (re)started."""
         return self._state.generation
 
-    def capacity(self, pool: str) -> PoolCapacity:
-        """Block and queue totals over the pool's live workers."""
-        return self._state.capacity(pool)
+    async def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
+        """The hashes the scheduler's index holds for a worker."""
+        return self._state.cached_hashes(worker_id)
+
+    async def index_stats(self) -> dict[str, int]:
+        """Index drift (blocks), KV sequence gaps and snapshots applied so far."""
+        return {
+            "drift_blocks": self._state.index_drift(),
+            "kv_gaps": self._state.kv_gaps,
+            "snapshots": self._state.snapshots,
+        }
+
+    def _wake(self) -> None:
+        # Wake every waiting subscriber; the next waiters get a fresh event.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                if self._state.tick():
+                    self._wake()
+            except Exception:  # never let one bad tick stop liveness updates
+                logger.exception("scheduler tick failed")
+            await asyncio.sleep(TICK_INTERVAL_S)
 
 
 def start_scheduler(
@@ -78,6 +171,8 @@ def start_scheduler(
     report_timeout_s: float = 3.0,
     max_restarts: int = -1,
     eviction: EvictionWatermarks | None = DEFAULT_EVICTION,
+    stall_timeout_s: float = 3.0,
+    index_check_interval_s: float = 10.0,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 
@@ -86,7 +181,9 @@ def start_scheduler(
     worker needs. `detached` makes it outlive the driver (for `pagefleet serve`
     joining a long-lived cluster). `eviction`: the free-block watermarks it
     asks workers to keep (`SchedulerConfig.eviction_watermarks()`; None: off).
-    An existing actor keeps the settings it was started with.
+    `stall_timeout_s`: a worker with work that streams nothing this long leaves
+    routing. `index_check_interval_s`: how often each worker is asked for a
+    snapshot to measure index drift. An existing actor keeps the settings it was started with.
     """
     options: dict[str, Any] = {
         "name": SCHEDULER_NAME,
@@ -99,7 +196,9 @@ def start_scheduler(
         options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    return ray.remote(SchedulerActor).options(**options).remote(report_timeout_s, eviction)
+    return ray.remote(SchedulerActor).options(**options).remote(
+        report_timeout_s, eviction, stall_timeout_s, index_check_interval_s
+    )
 
 
 def get_scheduler(namespace: str | None = None) -> Any:

@@ -1,22 +1,47 @@
 """The central scheduler's view of the cluster: a plain class, wrapped by the Ray actor.
 
-Workers register (idempotently) and then send load reports on an interval. A
-worker that misses its report deadline is taken out of routing until its next
-report; it is not forgotten, because a slow worker usually comes back.
-The `generation` identifies this scheduler incarnation: after a restart it
-changes, and workers seeing a new generation (or being told they are
-unknown) register again, which rebuilds the view.
+This is the cluster's one source of truth for KV state. Workers register
+(idempotently) and then push, on an interval, a load report and the KV
+events (blocks stored / removed) since their previous push. Per worker the
+state keeps its latest report (free / live / cached / peak blocks, queues),
+its liveness and the set of block hashes it holds (the prefix index).
+
+Every KV batch carries the worker's incarnation and a sequence number. A gap
+or an unknown incarnation makes the state ask that worker for a snapshot
+(all hashes it holds), and so does a periodic check: comparing a snapshot
+with what the events built gives the index drift (blocks believed cached
+that the worker does not hold), exported so operators see it settle at 0.
+
+Liveness has three rules, evaluated on the scheduler's clock:
+- no push for `report_timeout_s`: dead (out of routing until it pushes again);
+- work (running or waiting requests) but no progress (tokens streamed) for
+  `stall_timeout_s`: hung, out of routing; the ingress moves its streams;
+- otherwise alive.
+
+Every change is a versioned `WorkerDelta`; subscribers (ingress replicas)
+ask for the deltas after their cursor and get a snapshot instead when they
+start, fall behind the bounded log, or see a new generation (a restarted
+scheduler). The `generation` identifies this scheduler incarnation: after a
+restart it changes, and workers seeing a new generation (or being told they
+are unknown) register again and send a snapshot, which rebuilds the view.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagefleet.scheduler.policy import EvictionWatermarks, blocks_to_evict
-from pagefleet.worker.events import LoadReport, WorkerInfo
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
+
+# Deltas kept for subscribers that are behind; older cursors get a snapshot.
+DEFAULT_LOG_SIZE = 50_000
+# A dead ingress replica is announced to workers this long, then forgotten.
+DEAD_REPLICA_MEMORY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +52,9 @@ class WorkerView:
     alive: bool
     report: LoadReport | None
     last_report_at: float | None  # scheduler clock of the last accepted report (or registration)
+    stalled: bool = False
+    num_cached_hashes: int = 0
+    drift_blocks: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -59,22 +87,68 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
-class PoolCapacity:
-    """Block and queue totals over a pool's live workers."""
+class WorkerDelta:
+    """One change of one worker's state, as subscribers apply it.
 
-    pool: str
-    workers: int
-    alive: int
-    total_blocks: int
-    free_blocks: int
-    live_blocks: int
-    cached_blocks: int
-    num_running: int
-    num_waiting: int
+    Add `stored` to what is indexed for the worker and drop `removed`;
+    likewise `offload_stored` / `offload_removed` for its offload tier.
+    `reset`: the delta is part of a snapshot (`stored` is everything the
+    worker holds; the subscriber cleared its index first). `gone`: the worker
+    was deregistered; forget it.
+    """
+
+    info: WorkerInfo
+    alive: bool
+    report: LoadReport | None
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    reset: bool = False
+    gone: bool = False
+    stalled: bool = False
+    drift_blocks: int = 0
+    offload_stored: tuple[bytes, ...] = ()
+    offload_removed: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class ViewUpdate:
+    """The answer to a subscriber: deltas after its cursor, or a snapshot.
+
+    Apply `deltas` in order, then continue from `version`. With `snapshot`,
+    every worker appears once with `reset=True`.
+    """
+
+    generation: int
+    version: int
+    snapshot: bool
+    deltas: tuple[WorkerDelta, ...]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the state wants from a worker after its push."""
+
+    registered: bool  # False: unknown worker, it must register (and then send a snapshot)
+    snapshot: bool = False  # send all held hashes next time (gap, new incarnation, or drift check)
 
 
 class _Entry:
-    __slots__ = ("info", "last_seen", "report")
+    __slots__ = (
+        "checked_at",
+        "drift_blocks",
+        "has_work",
+        "hashes",
+        "incarnation",
+        "info",
+        "kv_seq",
+        "last_seen",
+        "offloaded",
+        "progress",
+        "progress_at",
+        "published_alive",
+        "published_stalled",
+        "report",
+    )
 
     def __init__(self, info: WorkerInfo, now: float) -> None:
         self.info = info
@@ -82,35 +156,67 @@ class _Entry:
         # Registration counts as a sign of life: a fresh worker is routable before its
         # first report arrives.
         self.last_seen = now
+        self.incarnation: str | None = None
+        self.kv_seq: int | None = None  # None: no consistent index yet, a snapshot is due
+        self.hashes: set[bytes] = set()
+        self.offloaded: set[bytes] = set()  # in the worker's offload tier (no pool copy counted)
+        self.checked_at = now
+        self.drift_blocks = 0
+        self.progress = 0
+        self.progress_at = now
+        self.has_work = False
+        self.published_alive = True
+        self.published_stalled = False
 
 
 class ClusterState:
-    """Which workers exist in which pool, their latest reports, and which are alive."""
+    """Workers per pool, their reports, liveness and held hashes; see the module docstring."""
 
     def __init__(
         self,
         *,
         report_timeout_s: float = 3.0,
+        stall_timeout_s: float = 3.0,
+        index_check_interval_s: float = 10.0,
         generation: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         eviction: EvictionWatermarks | None = None,
+        log_size: int = DEFAULT_LOG_SIZE,
     ) -> None:
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        if not index_check_interval_s > 0:
+            raise ValueError(f"index_check_interval_s must be > 0, got {index_check_interval_s}")
+        if log_size < 1:
+            raise ValueError(f"log_size must be >= 1, got {log_size}")
         self.report_timeout_s = report_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.index_check_interval_s = index_check_interval_s
         # None: no eviction ahead of need (workers still evict lazily on allocation).
         self.eviction = eviction
         self.generation = generation if generation is not None else secrets.randbits(62)
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
         self._version = 0
+        self._log: deque[WorkerDelta] = deque(maxlen=log_size)
+        # Counters for metrics: KV sequence gaps seen, snapshots applied.
+        self.kv_gaps = 0
+        self.snapshots = 0
+        self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
+        # Per pool, hash -> how many of its workers hold it: eviction drops replicated
+        # prefixes first and the last copy last.
+        self._copies: dict[str, dict[bytes, int]] = {}
+
+    # ----- membership -----------------------------------------------------
 
     def register_worker(self, info: WorkerInfo) -> int:
         """Add or refresh a worker (idempotent); returns this scheduler's generation."""
         entry = self._workers.get(info.worker_id)
         now = self._clock()
         if entry is None:
-            self._workers[info.worker_id] = _Entry(info, now)
+            entry = self._workers[info.worker_id] = _Entry(info, now)
         else:
             if entry.info.pool != info.pool:
                 raise ValueError(
@@ -121,42 +227,202 @@ class ClusterState:
             # A worker registers again after it restarted: its report seq starts over,
             # and its old report describes a process that is gone.
             entry.report = None
-        self._version += 1
+            entry.kv_seq = None
+        self._publish(entry)
         return self.generation
 
     def deregister_worker(self, worker_id: str) -> bool:
         """Forget a worker; False if it was unknown."""
-        if self._workers.pop(worker_id, None) is None:
-            return False
-        self._version += 1
-        return True
-
-    def report(self, report: LoadReport) -> bool:
-        """Record a load report; False when the worker is unknown (it must re-register).
-
-        Reports that arrive out of order (seq not above the last one of the
-        same incarnation) are dropped but still count as a sign of life.
-        """
-        entry = self._workers.get(report.worker_id)
+        entry = self._workers.pop(worker_id, None)
         if entry is None:
             return False
-        entry.last_seen = self._clock()
-        if report.supersedes(entry.report):
-            entry.report = report
-        self._version += 1
+        self._count(entry, (), tuple(entry.hashes))
+        self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
 
-    def report_bytes(self, worker_id: str, data: bytes) -> bool:
-        """Decode and record a msgpack load report (EventDecodeError on garbage)."""
-        report = LoadReport.decode(data)
-        if report.worker_id != worker_id:
-            raise ValueError(f"report from {worker_id!r} carries worker_id {report.worker_id!r}")
-        return self.report(report)
+    # ----- pushes ---------------------------------------------------------
+
+    def push(self, report: LoadReport, batch: KVEventBatch) -> PushResult:
+        """Record a worker's load report and KV events of one push (one delta)."""
+        if batch.worker_id != report.worker_id:
+            raise ValueError(
+                f"KV batch of {batch.worker_id!r} pushed with the report of {report.worker_id!r}"
+            )
+        entry = self._workers.get(report.worker_id)
+        if entry is None:
+            return PushResult(registered=False)
+        self._take_report(entry, report)
+        pool_events = tuple(e for e in batch.events if e[0] in _POOL_EVENTS)
+        tier_events = tuple(e for e in batch.events if e[0] not in _POOL_EVENTS)
+        # Before _take_kv, which records the batch's incarnation as the entry's.
+        off_stored, off_removed = self._take_offload(entry, batch, tier_events)
+        stored, removed, want_snapshot = self._take_kv(
+            entry, dataclasses.replace(batch, events=pool_events)
+        )
+        self._publish(entry, stored, removed, off_stored, off_removed)
+        due = self._clock() - entry.checked_at >= self.index_check_interval_s
+        return PushResult(registered=True, snapshot=want_snapshot or due)
+
+    def _take_report(self, entry: _Entry, report: LoadReport) -> None:
+        now = self._clock()
+        entry.last_seen = now
+        if not report.supersedes(entry.report):
+            return
+        restarted = entry.report is None or entry.report.incarnation != report.incarnation
+        # The stall clock runs only while the worker has work and its count of streamed
+        # tokens stands still; a fresh process or an idle spell restarts it.
+        if restarted or report.progress > entry.progress or not entry.has_work:
+            entry.progress_at = now
+        entry.progress = report.progress
+        entry.has_work = report.num_running + report.num_waiting > 0
+        entry.report = report
+
+    def _take_kv(
+        self, entry: _Entry, batch: KVEventBatch
+    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], bool]:
+        """Apply a batch to the worker's hash set: (stored, removed, snapshot wanted).
+
+        Snapshots are published as the difference to what was indexed, so a
+        subscriber never has to rebuild a worker's index from scratch.
+        """
+        fresh = batch.incarnation != entry.incarnation
+        if batch.reset:
+            actual = {h for _, h in batch.events}
+            before = set() if fresh else entry.hashes
+            # A drift check: what the events built against what the worker holds. A new
+            # process starts from nothing, so it cannot drift.
+            consistent = entry.kv_seq is not None and not fresh
+            entry.drift_blocks = len(before - actual) if consistent else 0
+            stored, removed = tuple(actual - entry.hashes), tuple(entry.hashes - actual)
+            self._count(entry, stored, removed)
+            entry.hashes = actual
+            entry.incarnation = batch.incarnation
+            entry.kv_seq = batch.seq
+            entry.checked_at = self._clock()
+            self.snapshots += 1
+            return stored, removed, False
+        if fresh or entry.kv_seq is None:
+            # Events of a process whose index we never saw whole: apply them for what
+            # they are worth, and ask for the full picture.
+            removed_old: tuple[bytes, ...] = ()
+            if fresh:
+                removed_old, entry.hashes = tuple(entry.hashes), set()
+                self._count(entry, (), removed_old)
+            entry.incarnation = batch.incarnation
+            entry.kv_seq = None
+            stored, removed = self._apply_events(entry, batch)
+            return stored, removed_old + removed, True
+        gap = batch.seq != entry.kv_seq + 1
+        if gap:
+            self.kv_gaps += 1
+        entry.kv_seq = batch.seq
+        stored, removed = self._apply_events(entry, batch)
+        return stored, removed, gap
+
+    def _take_offload(
+        self, entry: _Entry, batch: KVEventBatch, events: tuple[tuple[str, bytes], ...]
+    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """Apply a batch's offload-tier events: (stored, removed) as published.
+
+        A snapshot (`reset`) or a new process replaces the tier's set; the tier
+        only lowers a worker's prefill cost, so a gap costs score, not correctness.
+        """
+        held = entry.offloaded
+        if batch.reset or batch.incarnation != entry.incarnation:
+            actual = {h for kind, h in events if kind == "offload_stored"}
+            if not batch.reset:  # a new process: its events so far are all there is
+                actual -= {h for kind, h in events if kind == "offload_removed"}
+            stored, removed = tuple(actual - held), tuple(held - actual)
+            entry.offloaded = actual
+            return stored, removed
+        stored_l: list[bytes] = []
+        removed_l: list[bytes] = []
+        for kind, h in events:
+            if kind == "offload_stored":
+                held.add(h)
+                stored_l.append(h)
+            else:
+                held.discard(h)
+                removed_l.append(h)
+        return tuple(stored_l), tuple(removed_l)
+
+    def _apply_events(
+        self, entry: _Entry, batch: KVEventBatch
+    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        stored: list[bytes] = []
+        removed: list[bytes] = []
+        hashes = entry.hashes
+        copies = self._copies.setdefault(entry.info.pool, {})
+        for kind, block_hash in batch.events:
+            if kind == "stored":
+                if block_hash not in hashes:
+                    hashes.add(block_hash)
+                    copies[block_hash] = copies.get(block_hash, 0) + 1
+                stored.append(block_hash)
+            else:
+                if block_hash in hashes:
+                    hashes.discard(block_hash)
+                    _uncount(copies, block_hash)
+                removed.append(block_hash)
+        return tuple(stored), tuple(removed)
+
+    def _count(self, entry: _Entry, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
+        copies = self._copies.setdefault(entry.info.pool, {})
+        for h in stored:
+            copies[h] = copies.get(h, 0) + 1
+        for h in removed:
+            _uncount(copies, h)
+
+    def copies(self, pool: str, block_hash: bytes) -> int:
+        """How many workers of the pool hold the hash, by the index."""
+        return self._copies.get(pool, {}).get(block_hash, 0)
+
+    def eviction_hints(self, worker_id: str, n: int) -> tuple[bytes, ...]:
+        """Up to `n` of the worker's hashes that another worker of its pool also holds.
+
+        Evicting these first costs the pool no prefix: the copy elsewhere still
+        serves it. The worker evicts them (the unused ones) before falling back
+        to LRU, so the last copy of a prefix goes last.
+        """
+        entry = self._workers.get(worker_id)
+        if entry is None or n <= 0:
+            return ()
+        copies = self._copies.get(entry.info.pool, {})
+        out: list[bytes] = []
+        for h in entry.hashes:
+            if copies.get(h, 0) > 1:
+                out.append(h)
+                if len(out) >= n:
+                    break
+        return tuple(out)
+
+    # ----- liveness -------------------------------------------------------
 
     def is_alive(self, worker_id: str) -> bool:
-        """Registered and heard from within `report_timeout_s`."""
+        """Registered, heard from within `report_timeout_s`, and not hung."""
         entry = self._workers.get(worker_id)
-        return entry is not None and self._clock() - entry.last_seen <= self.report_timeout_s
+        return entry is not None and self._alive(entry, self._clock())
+
+    def is_stalled(self, worker_id: str) -> bool:
+        """Has work but streamed nothing for `stall_timeout_s` (KeyError if unknown)."""
+        return self._stalled(self._workers[worker_id], self._clock())
+
+    def _stalled(self, entry: _Entry, now: float) -> bool:
+        return entry.has_work and now - entry.progress_at > self.stall_timeout_s
+
+    def _alive(self, entry: _Entry, now: float) -> bool:
+        return now - entry.last_seen <= self.report_timeout_s and not self._stalled(entry, now)
+
+    def tick(self) -> int:
+        """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
+        now = self._clock()
+        changed = 0
+        for entry in self._workers.values():
+            state = (self._alive(entry, now), self._stalled(entry, now))
+            if state != (entry.published_alive, entry.published_stalled):
+                self._publish(entry)
+                changed += 1
+        return changed
 
     def alive_workers(self, pool: str) -> list[str]:
         """Ids of the pool's live workers."""
@@ -167,6 +433,8 @@ class ClusterState:
     def workers(self, pool: str | None = None) -> list[str]:
         """Ids of registered workers, optionally of one pool."""
         return [wid for wid, e in self._workers.items() if pool is None or e.info.pool == pool]
+
+    # ----- queries --------------------------------------------------------
 
     def blocks_to_evict(self, worker_id: str) -> int:
         """Cached blocks the worker should evict now, by its latest report and the watermarks.
@@ -182,29 +450,103 @@ class ClusterState:
         """The worker's latest load report (None before the first; KeyError if unknown)."""
         return self._workers[worker_id].report
 
-    def capacity(self, pool: str) -> PoolCapacity:
-        """Sums over the pool's live workers (a worker without a report counts its registered size as free)."""
-        entries = [e for e in self._workers.values() if e.info.pool == pool]
-        live = [e for e in entries if self.is_alive(e.info.worker_id)]
-        total = free = used = cached = running = waiting = 0
-        for e in live:
-            r = e.report
-            if r is None:
-                total += e.info.total_blocks
-                free += e.info.total_blocks
-                continue
-            total += r.total_blocks
-            free += r.free_blocks
-            used += r.live_blocks
-            cached += r.cached_blocks
-            running += r.num_running
-            waiting += r.num_waiting
-        return PoolCapacity(pool, len(entries), len(live), total, free, used, cached, running, waiting)
+    def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
+        """The hashes the scheduler believes the worker holds (KeyError if unknown)."""
+        return frozenset(self._workers[worker_id].hashes)
+
+    def index_drift(self) -> int:
+        """Blocks believed cached that workers did not hold, summed over each worker's last check."""
+        return sum(e.drift_blocks for e in self._workers.values())
 
     def view(self) -> ClusterView:
-        """An immutable snapshot for routers (liveness evaluated now)."""
+        """An immutable snapshot for status pages and tests (liveness evaluated now)."""
+        now = self._clock()
         workers = tuple(
-            WorkerView(e.info, self.is_alive(wid), e.report, e.last_seen)
-            for wid, e in self._workers.items()
+            WorkerView(
+                e.info, self._alive(e, now), e.report, e.last_seen, self._stalled(e, now),
+                len(e.hashes), e.drift_blocks,
+            )
+            for e in self._workers.values()
         )
         return ClusterView(self.generation, self._version, workers)
+
+    # ----- ingress replicas -----------------------------------------------
+
+    def note_replica(self, replica_id: str) -> None:
+        """An ingress replica subscribed: it is alive."""
+        if replica_id:
+            self._replicas[replica_id] = self._clock()
+
+    def dead_replicas(self) -> tuple[str, ...]:
+        """Replicas silent for `report_timeout_s`: workers abort the requests they sent.
+
+        Only replicas this incarnation has seen can be dead, so a restarted
+        scheduler never makes workers abort the streams of a live replica.
+        """
+        now = self._clock()
+        for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
+            del self._replicas[rid]
+        return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
+
+    # ----- subscriptions --------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Deltas published so far by this incarnation."""
+        return self._version
+
+    def updates_since(self, generation: int | None, cursor: int) -> ViewUpdate:
+        """Deltas after `cursor`, or a snapshot when the subscriber cannot continue from it."""
+        oldest = self._version - len(self._log)  # the first kept delta has version oldest + 1
+        if generation != self.generation or not oldest <= cursor <= self._version:
+            return self.snapshot()
+        start = cursor - oldest
+        deltas = tuple(self._log[i] for i in range(start, len(self._log)))
+        return ViewUpdate(self.generation, self._version, False, deltas)
+
+    def snapshot(self) -> ViewUpdate:
+        """Every worker's full state (index included) at the current version."""
+        now = self._clock()
+        deltas = tuple(
+            WorkerDelta(
+                e.info, self._alive(e, now), e.report, tuple(e.hashes), (), True, False,
+                self._stalled(e, now), e.drift_blocks, tuple(e.offloaded),
+            )
+            for e in self._workers.values()
+        )
+        return ViewUpdate(self.generation, self._version, True, deltas)
+
+    def _publish(
+        self,
+        entry: _Entry,
+        stored: tuple[bytes, ...] = (),
+        removed: tuple[bytes, ...] = (),
+        offload_stored: tuple[bytes, ...] = (),
+        offload_removed: tuple[bytes, ...] = (),
+    ) -> None:
+        now = self._clock()
+        alive = self._alive(entry, now)
+        entry.published_alive = alive
+        entry.published_stalled = self._stalled(entry, now)
+        self._append(
+            WorkerDelta(
+                entry.info, alive, entry.report, stored, removed, False, False,
+                self._stalled(entry, now), entry.drift_blocks, offload_stored, offload_removed,
+            )
+        )
+
+    def _append(self, delta: WorkerDelta) -> None:
+        self._version += 1
+        self._log.append(delta)
+
+
+# KV event kinds of the pool itself; the others ("offload_*") are the offload tier's.
+_POOL_EVENTS = ("stored", "removed")
+
+
+def _uncount(copies: dict[bytes, int], block_hash: bytes) -> None:
+    left = copies.get(block_hash, 0) - 1
+    if left > 0:
+        copies[block_hash] = left
+    else:
+        copies.pop(block_hash, None)

@@ -6,15 +6,20 @@ build time. The engine loop runs in the background of the actor's event loop;
 each `generate` call is one Ray streaming generator, so many streams share
 one worker.
 
-Load reports and KV events leave the worker two ways, both msgpack
-(`pagefleet.worker.events`): the ingress pulls them with `poll()` (the
-router's index of cached hashes), and the worker pushes load reports to the
-central scheduler every `report_interval_s` (capacity view, liveness).
+Load reports and KV events leave the worker one way: every
+`report_interval_s` the worker pushes both (msgpack, `pagefleet.worker.events`)
+to the central scheduler, which holds the cluster's one view and fans it out
+to the ingress replicas. Each KV batch carries the incarnation and a sequence
+number; the first batch of an incarnation, and any batch the scheduler asks
+for (after a gap, or to measure drift), is a snapshot of every held hash.
+The report loop starts with the actor, so a worker Ray restarted rejoins
+without anyone calling it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -27,7 +32,7 @@ from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
-from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.wire import TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -63,35 +68,38 @@ class WorkerActor:
         self._scheduler_namespace = scheduler_namespace
         self._report_seq = 0
         self._kv_seq = 0
+        self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
+        self._active: set[str] = set()  # ids of the requests streaming now
         self._reporter: asyncio.Task[None] | None = None
+        with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
+            self._ensure_reporter()
 
     # ----- requests -----------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        salt: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's deltas as plain dicts (see `_delta`).
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta]:
+        """Stream one request's `TokenDelta`s.
 
-        Bad input ends the stream with one `{"error": message}` item instead of
+        Bad input ends the stream with one delta whose `error` is set instead of
         raising, so the caller can tell a client error from a worker failure.
         """
         self._ensure_reporter()
+        request_id = request.request_id
+        self._active.add(request_id)
+        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
         try:
             stream = self._engine.generate(
-                request_id, prompt, params, priority=priority, salt=salt
+                request_id, prompt, request.params, priority=request.priority, salt=request.salt
             )
             async for out in stream:
+                self._progress += len(out.new_token_ids) or 1
                 if out.error is not None:  # this request alone failed; the engine goes on
-                    yield {"error": out.error, "code": "internal"}
+                    yield TokenDelta(error=out.error, error_code="internal")
                     return
-                yield _delta(out)
+                yield TokenDelta.from_output(out)
         except RequestError as exc:
-            yield {"error": str(exc)}
+            yield TokenDelta(error=str(exc))
+        finally:
+            self._active.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
@@ -118,24 +126,12 @@ class WorkerActor:
         """The engine's pool and queue counters (`LLMEngine.stats()`)."""
         return dict(self._engine.stats())
 
-    async def poll(self) -> tuple[str, bytes, bytes]:
-        """(incarnation, LoadReport bytes, KVEventBatch bytes) since the previous poll.
-
-        The first batch of every incarnation has `reset=True`: a restarted
-        worker's cache is empty, so the router must forget what it indexed.
-        """
-
-        self._ensure_reporter()
-        report = self._load_report()
-        batch = KVEventBatch.from_engine(
-            self.worker_id, self._kv_seq, self._engine.drain_kv_events(), reset=self._kv_seq == 0
-        )
-        self._kv_seq += 1
-        return self.incarnation, report, batch.encode()
-
-    def evict_cached(self, n: int) -> int:
-        """Evict up to `n` LRU cached blocks between two engine steps; returns how many."""
-        evicted = self._engine.evict_cached(n)
+    def evict_cached(self, n: int, first: tuple[bytes, ...] = ()) -> int:
+        """Evict up to `n` cached blocks between two engine steps: those holding the
+        `first` hashes (replicated elsewhere, by the scheduler), then LRU. Returns how many."""
+        evicted = self._engine.evict_hashes(list(first[:n])) if first else 0
+        if evicted < n:
+            evicted += self._engine.evict_cached(n - evicted)
         if evicted:
             logger.debug("worker %s evicted %d cached blocks", self.worker_id, evicted)
         return evicted
@@ -156,6 +152,18 @@ class WorkerActor:
             tenant_live_blocks=self._engine.tenant_live_blocks(),
             tenant_cap_refusals=self._engine.tenant_cap_refusals(),
             incarnation=self.incarnation,
+            progress=self._progress,
+        ).encode()
+
+    def _kv_batch(self, snapshot: bool) -> bytes:
+        """The next KV batch: the events since the last one, or a snapshot of every held hash."""
+        self._kv_seq += 1
+        if snapshot:
+            events = self._engine.snapshot_kv()
+        else:
+            events = self._engine.drain_kv_events()
+        return KVEventBatch.from_engine(
+            self.worker_id, self._kv_seq, events, reset=snapshot, incarnation=self.incarnation
         ).encode()
 
     def _ensure_reporter(self) -> None:
@@ -165,6 +173,7 @@ class WorkerActor:
     async def _report_loop(self) -> None:
         scheduler: Any = None
         generation: int | None = None
+        snapshot = True  # the scheduler has no consistent index of this incarnation yet
         while True:
             try:
                 if scheduler is None:
@@ -182,20 +191,36 @@ class WorkerActor:
                                 node_id=info["node_id"],
                             )
                         )
-                    ack = await scheduler.report.remote(self.worker_id, self._load_report())
+                        snapshot = True
+                    ack = await scheduler.push.remote(
+                        self.worker_id, self._load_report(), self._kv_batch(snapshot)
+                    )
+                    snapshot = ack.snapshot
+                    if ack.dead_replicas:
+                        self._abort_orphans(set(ack.dead_replicas))
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     elif ack.evict_blocks > 0:
                         # Below the free-block watermark: evict LRU cached blocks now, so
                         # the next bursts allocate from the free list.
-                        self.evict_cached(ack.evict_blocks)
+                        self.evict_cached(ack.evict_blocks, ack.evict_first)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # Serving never depends on the scheduler: skip this report, look it up again.
-                logger.debug("worker %s: scheduler report failed: %s", self.worker_id, exc)
+                # Serving never depends on the scheduler: skip this push, look it up again.
+                # The drained events may be lost with it, so the next batch is a snapshot.
+                logger.debug("worker %s: scheduler push failed: %s", self.worker_id, exc)
                 scheduler = None
+                snapshot = True
             await asyncio.sleep(self._report_interval_s)
+
+    def _abort_orphans(self, dead_replicas: set[str]) -> None:
+        """Abort the requests a dead ingress replica sent: nobody reads their streams."""
+        for request_id in list(self._active):
+            _, _, replica = request_id.rpartition("@")
+            if replica in dead_replicas:
+                logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
+                self._engine.abort(request_id)
 
 
 def _exit_for_restart(exc: BaseException) -> None:
@@ -213,22 +238,6 @@ def _find_scheduler(namespace: str | None) -> Any:
         return ray.get_actor(SCHEDULER_ACTOR_NAME, namespace=namespace)
     except ValueError:
         return None
-
-
-def _delta(out: Any) -> dict[str, Any]:
-    """The part of a `RequestOutput` the ingress needs, as a small dict."""
-    return {
-        "token_ids": list(out.new_token_ids),
-        "text": out.new_text,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(out.token_ids),
-        "cached_tokens": int(out.num_cached_tokens),
-        # [token_id, logprob, [[id, logprob], ...]] per new token, when asked for.
-        "logprobs": None
-        if out.new_logprobs is None
-        else [[t.token_id, t.logprob, [list(pair) for pair in t.top]] for t in out.new_logprobs],
-    }
 
 
 def create_worker(

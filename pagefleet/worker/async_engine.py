@@ -170,6 +170,16 @@ class AsyncEngine:
         with self._lock:
             return self.engine.drain_kv_events()
 
+    def evict_hashes(self, hashes: list[bytes]) -> int:
+        """`LLMEngine.evict_hashes`, between two steps."""
+        with self._lock:
+            return self.engine.evict_hashes(hashes)
+
+    def snapshot_kv(self) -> list[tuple[str, bytes]]:
+        """`LLMEngine.snapshot_kv`, between two steps."""
+        with self._lock:
+            return self.engine.snapshot_kv()
+
     def check_integrity(self) -> None:
         """The engine's consistency check, between steps."""
         with self._lock:

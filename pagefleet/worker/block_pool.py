@@ -370,6 +370,34 @@ class BlockPool:
             self._spill(spilled)
         return done
 
+    def evict_hashes(self, hashes: Iterable[bytes]) -> int:
+        """Evict the cached (ref 0) blocks holding these hashes; others are skipped.
+
+        For a policy that knows better than LRU which entries to drop (the
+        scheduler's: blocks another worker of the pool also holds). Returns how
+        many were evicted.
+        """
+        nxt, prev, ref, cached = self._next, self._prev, self._ref, self._cached
+        s = self._sentinel
+        done = 0
+        for h in hashes:
+            b = cached.get(h)
+            if b is None or ref[b]:
+                continue
+            self._evict(b)
+            p, after = prev[b], nxt[b]
+            nxt[p] = after
+            prev[after] = p
+            head = nxt[s]
+            prev[head] = b
+            nxt[b] = head
+            prev[b] = s
+            nxt[s] = b
+            done += 1
+        self._num_cached -= done
+        self._num_free += done
+        return done
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached (ref 0) block's hash; live blocks keep theirs. Returns count."""
         return self.evict_cached(None)
@@ -393,6 +421,10 @@ class BlockPool:
         out = [(kind, h) for h, kind in self._events.items()]
         self._events = {}
         return out
+
+    def registered_hashes(self) -> list[bytes]:
+        """Every hash registered now (live or cached): what the drained events add up to."""
+        return list(self._cached)
 
     # -------------------------------------------------------------- integrity
 

@@ -441,6 +441,20 @@ class LLMEngine:
             events.extend(self.offload.drain_events())
         return events
 
+    def evict_hashes(self, hashes: list[bytes]) -> int:
+        """Evict the unused cached blocks holding these hashes (see `BlockPool.evict_hashes`)."""
+        return self.pool.evict_hashes(hashes)
+
+    def snapshot_kv(self) -> list[tuple[str, bytes]]:
+        """Every held hash now as ("stored", hash) for the pool and ("offload_stored",
+        hash) for the tier, and the pending KV events dropped: a receiver that
+        replaces its index with this list is exactly in sync."""
+        self.drain_kv_events()
+        events = [("stored", h) for h in self.pool.registered_hashes()]
+        if self.offload is not None:
+            events.extend(("offload_stored", h) for h in self.offload.hashes())
+        return events
+
     def check_integrity(self) -> None:
         """Raise AssertionError unless pool and sequences agree block for block.
 

@@ -103,6 +103,9 @@ class LoadReport:
     offload_hit_tokens: int = 0
     offload_bytes_in: int = 0
     offload_bytes_out: int = 0
+    # Cumulative tokens this worker incarnation has streamed out: the scheduler's
+    # sign of progress (a worker with work whose count stands still is hung).
+    progress: int = 0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -147,6 +150,7 @@ class LoadReport:
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "incarnation": self.incarnation,
                 **{name: getattr(self, name) for name in _OFFLOAD_FIELDS},
+                "progress": self.progress,
             },
             use_bin_type=True,
         )
@@ -182,6 +186,7 @@ class LoadReport:
             # optional: absent in reports from senders that predate it
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
             **{name: _get(obj, name, int) for name in _OFFLOAD_FIELDS if name in obj},
+            progress=_get(obj, "progress", int) if "progress" in obj else 0,
         )
 
     @classmethod
@@ -196,6 +201,7 @@ class LoadReport:
         tenant_cap_refusals: Mapping[str, int] | None = None,
         timestamp: float | None = None,
         incarnation: str = "",
+        progress: int = 0,
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -244,6 +250,7 @@ class LoadReport:
             prefix_hit_tokens=pick("prefix_hit_tokens"),
             incarnation=incarnation,
             **{name: pick(name) for name in _OFFLOAD_FIELDS},
+            progress=progress,
         )
 
 
@@ -252,15 +259,19 @@ class KVEventBatch:
     """The KV events one worker drained since its previous batch.
 
     ``events`` keeps the pool's drain order, which matters: a hash can be
-    stored, removed and stored again within one batch. ``reset`` tells the
-    receiver to forget everything it indexed for this worker first (sent by a
-    worker that (re)started with an empty cache).
+    stored, removed and stored again within one batch. ``reset`` makes the
+    batch a snapshot: the receiver forgets everything it indexed for this
+    worker, and ``events`` lists every hash the worker holds now as "stored"
+    (sent by a worker that (re)started, and whenever the scheduler asks after
+    a sequence gap or for its periodic drift check). ``seq`` counts batches
+    within one ``incarnation`` (a process of the worker), from 1.
     """
 
     worker_id: str
     seq: int
     events: tuple[tuple[str, bytes], ...] = ()
     reset: bool = False
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         for kind, _ in self.events:
@@ -278,9 +289,12 @@ class KVEventBatch:
         events: Iterable[tuple[str, bytes]],
         *,
         reset: bool = False,
+        incarnation: str = "",
     ) -> KVEventBatch:
-        """Wrap ``engine.drain_kv_events()`` output."""
-        return cls(worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset)
+        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot)."""
+        return cls(
+            worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset, incarnation
+        )
 
     def encode(self) -> bytes:
         """msgpack bytes; events as two parallel arrays to keep the message small."""
@@ -291,6 +305,7 @@ class KVEventBatch:
                 "worker_id": self.worker_id,
                 "seq": self.seq,
                 "reset": self.reset,
+                "incarnation": self.incarnation,
                 # 1 = stored, 0 = removed (3 / 2 in the offload tier): a byte per event
                 "ops": bytes(_KV_OPS[kind] for kind, _ in self.events),
                 "hashes": [h for _, h in self.events],
@@ -322,6 +337,7 @@ class KVEventBatch:
             seq=_get(obj, "seq", int),
             events=events,
             reset=_get(obj, "reset", bool),
+            incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
         )
 
 

@@ -171,6 +171,10 @@ class KVTier(ABC):
         """("offload_stored" | "offload_removed", hash) since the last drain, coalesced."""
 
     @abstractmethod
+    def hashes(self) -> list[bytes]:
+        """Every hash the tier holds now (for a snapshot of the worker's KV index)."""
+
+    @abstractmethod
     def check_integrity(self) -> None:
         """Raise AssertionError if the tier's bookkeeping is inconsistent."""
 
@@ -266,6 +270,9 @@ class HostOffloadTier(KVTier):
         out = [(kind, h) for h, kind in self._events.items()]
         self._events = {}
         return out
+
+    def hashes(self) -> list[bytes]:
+        return list(self._slots)
 
     def check_integrity(self) -> None:
         used = list(self._slots.values())

@@ -1,0 +1,68 @@
+"""The typed messages of the busiest boundary: one request into a worker, deltas out.
+
+The ingress tokenizes once and sends a `WorkerRequest` (token ids or, on a
+first attempt, the client's text, plus validated sampling params); the
+worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
+pickles, so no string-keyed dict crosses the boundary and a field rename is
+a type error, not a KeyError at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagefleet.worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One generation request as a worker receives it.
+
+    `request_id` is unique at the worker (the ingress tags it with its
+    replica id); `salt` is the tenant's prefix-cache salt.
+    """
+
+    request_id: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+    salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request since its previous delta; the last has `finish_reason`.
+
+    `error` is set (and nothing else matters) when the request alone failed:
+    `error_code` "invalid_argument" when the engine refused it as the client's
+    fault (e.g. a token id outside the vocabulary), "internal" when its logits
+    were not finite. The stream ends there, and the worker is not failed.
+    `logprobs` (with `SamplingParams.logprobs`): one
+    `(token_id, logprob, ((id, logprob), ...))` per token of `token_ids`.
+    """
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: str = "invalid_argument"
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
+
+    @classmethod
+    def from_output(cls, out: Any) -> TokenDelta:
+        """The part of an engine `RequestOutput` the ingress needs."""
+        return cls(
+            token_ids=tuple(out.new_token_ids),
+            text=out.new_text,
+            finish_reason=out.finish_reason,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids),
+            cached_tokens=int(out.num_cached_tokens),
+            logprobs=None
+            if out.new_logprobs is None
+            else tuple((t.token_id, t.logprob, tuple(t.top)) for t in out.new_logprobs),
+        )

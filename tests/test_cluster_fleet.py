@@ -1,0 +1,270 @@
+"""One cluster-wide view on a real local Ray: two ingress replicas on one port, the
+scheduler as the only source of KV state, and faults of every part mid-traffic.
+
+One cluster for the module: pool "default" with 2 CPU workers, 2 ingress replicas
+sharing one gRPC port (SO_REUSEPORT). Tests that break something run last, each
+healing what it broke; after every test no block is leaked on any worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import ray
+from cluster_fixtures import (
+    MAX_MODEL_LEN,
+    generate,
+    small_cluster_config,
+    tokens_of,
+    wait_for,
+)
+
+from pagefleet import LLM, SamplingParams
+from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.client import build_request
+from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPLICA_KEY = "x-pagefleet-replica"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    base = small_cluster_config()
+    config = dataclasses.replace(
+        base,
+        server=dataclasses.replace(base.server, ingress_replicas=2),
+        scheduler=dataclasses.replace(base.scheduler, index_check_interval_s=1.0),
+    )
+    running = start_cluster(config, grpc_port=0)
+    try:
+        yield running
+    finally:
+        running.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target(cluster: RunningCluster) -> str:
+    return cluster.grpc_target
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    cfg = small_cluster_config().pools[0]
+    return LLM(
+        model="tiny",
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        max_model_len=cfg.max_model_len,
+    )
+
+
+def _stats(cluster: RunningCluster, worker_id: str) -> dict[str, Any]:
+    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
+    """After every test: on every worker no live block, and free + cached == total."""
+    yield
+
+    def clean() -> bool:
+        for worker_id, _ in cluster.workers["default"]:
+            s = _stats(cluster, worker_id)
+            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+                return False
+        return True
+
+    wait_for(clean, 60, "every worker with free + cached == total and no live blocks", 0.2)
+
+
+class Stream:
+    """A Generate call on a fresh connection: which replica took it, and its messages."""
+
+    def __init__(self, target: str, prompt: str, **sampling: Any) -> None:
+        # A local subchannel pool: a new TCP connection per stream, which the kernel
+        # hands to one of the replicas listening on the port.
+        self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        s = pb_grpc.GenerationStub(self.channel)
+        self.call = s.Generate(build_request(prompt, sampling), timeout=120)
+        self.replica = dict(self.call.initial_metadata())[REPLICA_KEY]
+        self.messages: list[pb.GenerateResponse] = []
+
+    def first_token(self) -> pb.GenerateResponse:
+        while not self.messages or not self.messages[-1].token_ids:
+            self.messages.append(next(self.call))
+        return self.messages[-1]
+
+    def rest(self) -> list[pb.GenerateResponse]:
+        self.messages += list(self.call)
+        self.channel.close()
+        return self.messages
+
+
+def _stream_on(target: str, replica: str | None, prompt: str, *, avoid: bool = False, **sampling: Any) -> Stream:
+    """A stream served by `replica` (or, with `avoid`, by any other); new connections
+    until the kernel hands one to it."""
+    for _ in range(60):
+        stream = Stream(target, prompt, **sampling)
+        if replica is None or (stream.replica == replica) != avoid:
+            return stream
+        stream.call.cancel()
+        stream.channel.close()
+    raise AssertionError(f"60 connections and none reached the wanted replica ({replica}, avoid={avoid})")
+
+
+def _pid(replica_id: str) -> int:
+    return int(replica_id.split("-", 1)[0])
+
+
+def _long(offline: LLM, prompt: str) -> tuple[dict[str, Any], list[int]]:
+    sampling = {"max_tokens": MAX_MODEL_LEN - 20, "ignore_eos": True}
+    want = offline.generate(prompt, SamplingParams(**sampling))[0].token_ids
+    return sampling, want
+
+
+def _index_stats(cluster: RunningCluster) -> dict[str, int]:
+    return dict(ray.get(cluster.scheduler.index_stats.remote(), timeout=30))
+
+
+# ----- one view, two replicas ---------------------------------------------------
+
+
+def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
+    cluster: RunningCluster, target: str
+) -> None:
+    prefix = "Shared view: you are a helpful assistant. Answer briefly and politely."
+    before = {
+        wid: len(ray.get(cluster.scheduler.cached_hashes.remote(wid), timeout=30))
+        for wid, _ in cluster.workers["default"]
+    }
+    first = _stream_on(target, None, f"{prefix} question 0?", max_tokens=2)
+    done = first.rest()
+    assert done[-1].usage.cached_tokens == 0
+    worker = done[-1].worker_id
+    # The worker's KV events reach the scheduler with its next push; from there every
+    # replica's long poll brings them at once (the pause covers that delivery).
+    wait_for(
+        lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(worker), timeout=30))
+        >= before[worker] + 2,
+        30, "the prompt's blocks in the scheduler's index", 0.1,
+    )
+    time.sleep(1.0)
+    other = _stream_on(target, first.replica, f"{prefix} question 1?", avoid=True, max_tokens=2)
+    second = other.rest()
+    assert other.replica != first.replica
+    assert second[-1].worker_id == done[-1].worker_id
+    assert second[-1].usage.cached_tokens >= 8
+
+
+def test_index_drift_settles_to_zero_after_traffic(cluster: RunningCluster, target: str) -> None:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: generate(target, f"drift check {i} " * 6, max_tokens=4), range(8)))
+    before = _index_stats(cluster)["snapshots"]
+    # Each worker is compared with a snapshot every index_check_interval_s (1 s here).
+    wait_for(
+        lambda: (lambda s: s["snapshots"] >= before + 4 and s["drift_blocks"] == 0)(
+            _index_stats(cluster)
+        ),
+        30,
+        "two drift checks per worker after the traffic, all with drift 0",
+        0.2,
+    )
+
+
+# ----- faults (each heals what it broke) ------------------------------------------
+
+
+def test_hung_worker_leaves_routing_its_stream_resumes_elsewhere_and_its_copy_is_freed(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    sampling, want = _long(offline, "A worker hangs while this stream runs")
+    stream = Stream(target, "A worker hangs while this stream runs", **sampling)
+    victim = stream.first_token().worker_id
+    pid = int(ray.get(cluster.worker_handle(victim).info.remote(), timeout=30)["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The stream must end while the victim is still stopped: it moved.
+        got = stream.rest()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert tokens_of(got) == want
+    assert got[-1].finish_reason == "length"
+    assert got[-1].worker_id != victim
+    # Awake again, the victim aborts its copy (the autouse check sees its blocks
+    # freed) and comes back into routing.
+    wait_for(
+        lambda: any(w.alive for w in ray.get(cluster.scheduler.get_view.remote()).workers
+                    if w.worker_id == victim),
+        30, f"{victim} back in routing", 0.2,
+    )
+
+
+def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    sampling, want = _long(offline, "The surviving replica streams this")
+    doomed = _stream_on(target, None, "This stream dies with its replica", **sampling)
+    doomed.first_token()
+    survivor = _stream_on(target, doomed.replica, "The surviving replica streams this", avoid=True, **sampling)
+    survivor.first_token()
+    os.kill(_pid(doomed.replica), signal.SIGKILL)
+    got = survivor.rest()
+    assert tokens_of(got) == want and got[-1].finish_reason == "length"
+    with pytest.raises(grpc.RpcError):
+        doomed.rest()
+    # The workers abort the dead replica's requests (autouse check), and Serve
+    # restarts the replica: fresh connections reach two replicas again.
+    def replicas_reached() -> int:
+        replicas = set()
+        for _ in range(8):
+            with contextlib.suppress(grpc.RpcError):  # a connection to the dying replica
+                s = Stream(target, "hello", max_tokens=1)
+                s.rest()
+                replicas.add(s.replica)
+        return len(replicas)
+
+    wait_for(lambda: replicas_reached() == 2, 120, "two live replicas after Serve restarted one", 1.0)
+
+
+def test_killed_scheduler_leaves_streams_intact_and_the_view_rebuilds(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    sampling, want = _long(offline, "The scheduler dies while this streams")
+    streams = [
+        _stream_on(target, None, "The scheduler dies while this streams", **sampling)
+        for _ in range(2)
+    ]
+    for s in streams:
+        s.first_token()
+    generation = ray.get(cluster.scheduler.generation.remote(), timeout=30)
+    ray.kill(cluster.scheduler, no_restart=False)
+    for s in streams:
+        got = s.rest()
+        assert tokens_of(got) == want and got[-1].finish_reason == "length"
+    assert generate(target, "served meanwhile", max_tokens=3)[-1].finish_reason == "length"
+
+    def rebuilt() -> bool:
+        if ray.get(cluster.scheduler.generation.remote(), timeout=30) == generation:
+            return False
+        view = ray.get(cluster.scheduler.get_view.remote(), timeout=30)
+        stats = _index_stats(cluster)
+        return (
+            sorted(w.worker_id for w in view.workers if w.alive) == ["default-0", "default-1"]
+            and stats["snapshots"] >= 4
+            and stats["drift_blocks"] == 0
+        )
+
+    wait_for(rebuilt, 60, "the restarted scheduler rebuilt from worker snapshots, drift 0", 0.5)
+    assert generate(target, "served after the rebuild", max_tokens=3)[-1].finish_reason == "length"
