@@ -56,6 +56,12 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(scheduler={"wait_queue_size": -5}), "scheduler.wait_queue_size: must be >= 0, got -5"),
         (config(scheduler={"report_interval_s": 2.0, "report_timeout_s": 1.0}), "scheduler.report_timeout_s: must be > report_interval_s"),
         (config(server={"grpc_port": 70000}), "server.grpc_port: must be in [0, 65535], got 70000"),
+        (config(server={"max_body_bytes": 100}), "server.max_body_bytes: must be in [1024, 2**31), got 100"),
+        (config(server={"max_message_bytes": "3GiB"}), "server.max_message_bytes: must be in [1024, 2**31)"),
+        (config(server={"header_timeout_s": 0}), "server.header_timeout_s: must be > 0, got 0"),
+        (config(server={"drain_timeout_s": -1}), "server.drain_timeout_s: must be >= 0, got -1"),
+        (config(server={"tls_cert_file": "c.pem"}), "server.tls_key_file: give both tls_cert_file and tls_key_file"),
+        (config(server={"tls_cert_file": "/nonexistent/c.pem", "tls_key_file": "/nonexistent/k.pem"}), "server.tls_cert_file: no such file: /nonexistent/c.pem"),
         (config(extra=1), "extra: unknown field"),
     ],
 )  # fmt: skip
@@ -63,6 +69,13 @@ def test_invalid_config_names_the_field_and_reason(data: dict[str, Any], message
     with pytest.raises(ConfigError) as info:
         ClusterConfig.from_dict(data)
     assert str(info.value).startswith(message)
+
+
+def test_server_limits_default_to_safe_values_and_metrics_to_localhost() -> None:
+    server = ClusterConfig.from_dict(config(server={"max_body_bytes": "1MiB"})).server
+    assert server.max_body_bytes == 2**20 and server.max_message_bytes == 4 * 2**20
+    assert server.metrics_host == "127.0.0.1" and server.drain_timeout_s == 30.0
+    assert not server.tls
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
