@@ -209,3 +209,22 @@ def test_format_status_prints_one_row_per_worker() -> None:
     assert lines[0].startswith("pool p:")
     assert lines[2].split()[:4] == ["p-0", "yes", "8", "8"]
     assert lines[3].split()[:2] == ["p-1", "no"]
+
+
+def test_text_prompt_for_a_model_without_tokenizer_is_invalid_argument(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from pagefleet.worker.tiny_model import ensure_tiny_model
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ensure_tiny_model() / name, tmp_path / name)
+    ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a", "model": str(tmp_path)}]}), {})
+    req = GenerationRequest.create(request_id="r0", prompt="hello", sampling={})
+
+    async def first() -> None:
+        await anext(ingress.generate(req))
+
+    with pytest.raises(IngressError) as err:
+        asyncio.run(first())
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in err.value.message

@@ -192,6 +192,7 @@ def ensure_gguf_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
             (staging / "pagefleet_source.json").write_text(
                 json.dumps({"gguf": gguf.name, "sha256": sha256}, indent=2) + "\n"
             )
+            staging.chmod(0o755)  # mkdtemp makes it private; the cache is for every reader
             staging.rename(target)
         finally:
             if staging.exists():
