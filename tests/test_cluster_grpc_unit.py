@@ -186,7 +186,7 @@ def test_aborting_a_waiting_request_ends_it_and_frees_its_place() -> None:
             ingress._admit(pool, _request(r), [1, 2, 3])
         waiter = ingress._admit(pool, _request("r3"), [1, 2, 3])
         assert not isinstance(waiter, WorkerSlot)
-        assert await ingress.abort("r3")
+        assert await ingress.abort("r3", tenant="default")
         assert waiter.future.result() is None  # generate() ends the stream with "abort"
         assert ingress.status("a")[0]["num_waiting"] == 0
 
