@@ -30,12 +30,16 @@ layers (forward hooks), attention (write + paged attention), the rest of the
 forward (embedding, norms, RoPE, SiLU), step tensor building, sampling, and
 the Python of scheduling and bookkeeping (the rest of `step()`).
 
+`--compare-attention` adds pagefleet on the padded reference attention (the
+test oracle) in the same rounds, against the per-sequence CPU path it serves with.
+
 `--quick`: the built-in tiny model, 4 short requests, 1 round (a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from collections import defaultdict
@@ -47,6 +51,8 @@ from typing import Any
 import _engine_bench as common
 import torch
 import torch.nn.functional as F
+
+from pagefleet.kernels.dispatch import BACKEND_ENV
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
@@ -364,9 +370,12 @@ def main() -> None:
                         help="requests HF one-at-a-time runs (every k-th of the workload)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compare-attention", action="store_true",
+                        help="also run pagefleet on the padded reference attention (the oracle)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["padded", "sequential", "generate_batch", "llama_cpp"])
     args = parser.parse_args()
+    os.environ.pop(BACKEND_ENV, None)
     if args.quick:
         args.model, args.requests, args.output_tokens = "tiny", 4, 4
         args.sequential, args.rounds = 4, 1
@@ -404,6 +413,12 @@ def main() -> None:
         times["floor decode"].append(decode)
         seconds, outs = pagefleet_run(llm, prompts, n_out)
         times["pagefleet"].append(seconds)
+        if args.compare_attention:
+            os.environ[BACKEND_ENV] = "torch"  # read at every call: this run only
+            try:
+                times["pagefleet_reference"].append(pagefleet_run(llm, prompts, n_out)[0])
+            finally:
+                del os.environ[BACKEND_ENV]
         if "padded" not in args.skip:
             times["padded"].append(hf_padded_batch(hf, prompts, n_out, pad_id))
         if "generate_batch" not in args.skip and hasattr(hf, "generate_batch"):
@@ -441,6 +456,7 @@ def main() -> None:
     names = {
         "floor": "dense-layer floor (matmuls only)",
         "pagefleet": "pagefleet LLM.generate",
+        "pagefleet_reference": "pagefleet, padded reference attention",
         "padded": "HF generate, padded batch",
         "generate_batch": "transformers generate_batch",
         "sequential": f"HF generate, one at a time ({same[1] if same else 0} requests)",
@@ -462,7 +478,7 @@ def main() -> None:
           f"{chunk}), decode {min(times['floor decode']):.2f} s ({n_out - 1} steps x "
           f"{len(prompts)} rows)")
     print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor")
-    for key in ("padded", "generate_batch", "sequential", "llama_cpp"):
+    for key in ("pagefleet_reference", "padded", "generate_batch", "sequential", "llama_cpp"):
         if times[key]:
             print(f"pagefleet vs {names[key]}: {min(times[key]) / best_pf:.2f}x throughput")
     common.print_table(

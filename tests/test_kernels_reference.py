@@ -1,4 +1,4 @@
-"""The torch paged-attention reference (the CPU serving path) against a naive float64 oracle."""
+"""The torch paged-attention reference (the test oracle) against a naive float64 oracle."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def test_output_is_written_into_given_tensor() -> None:
     assert result.data_ptr() == out.data_ptr()
 
 
-def test_dispatcher_uses_reference_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PAGEFLEET_ATTENTION", raising=False)
+def test_dispatcher_runs_the_reference_when_forced_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEFLEET_ATTENTION", "torch")
     b = batch([3, 1], [11, 6], torch.float64, seed=11)
     out = paged_attention(*b.kernel_args(), 0.125)
     expected = paged_attention_reference(*b.kernel_args(), 0.125)

@@ -2,7 +2,8 @@
 
 KV layout of one layer: ``k_cache``/``v_cache`` ``[num_blocks, block_size,
 kv_heads, head_dim]``; ``slot = block_id * block_size + offset``. CUDA tensors
-run Triton kernels; CPU tensors run the torch reference (also the test oracle).
+run Triton kernels; CPU tensors run the per-sequence CPU path (`cpu_attention`);
+the padded torch reference is the test oracle.
 This package imports torch only; triton is imported when a Triton kernel runs.
 """
 

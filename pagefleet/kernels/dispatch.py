@@ -1,7 +1,8 @@
-"""Pick the implementation of each kernel: Triton for CUDA tensors, torch elsewhere.
+"""Pick the implementation of each kernel: Triton for CUDA tensors, the CPU path elsewhere.
 
-``PAGEFLEET_ATTENTION=triton|torch`` overrides the choice (tests use ``triton``
-with ``TRITON_INTERPRET=1`` to run the Triton kernels on CPU). Triton modules
+``PAGEFLEET_ATTENTION=triton|torch|cpu`` overrides the choice (tests use ``triton``
+with ``TRITON_INTERPRET=1`` to run the Triton kernels on CPU; ``torch`` is the
+padded reference, the test oracle; ``cpu`` the per-sequence CPU path). Triton modules
 are imported only when they are chosen, so ``import pagefleet.kernels`` works
 where triton is not installed (macOS laptops).
 """
@@ -13,10 +14,11 @@ import os
 
 import torch
 
+from pagefleet.kernels.cpu_attention import paged_attention_cpu
 from pagefleet.kernels.reference import paged_attention_reference, write_kv_reference
 
 BACKEND_ENV = "PAGEFLEET_ATTENTION"
-_BACKENDS = ("triton", "torch")
+_BACKENDS = ("triton", "torch", "cpu")
 
 
 def triton_available() -> bool:
@@ -25,7 +27,7 @@ def triton_available() -> bool:
 
 
 def choose_backend(tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for kernels on ``tensor``'s device and dtype."""
+    """``"triton"``, ``"torch"`` or ``"cpu"`` for kernels on ``tensor``'s device and dtype."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced:
         if forced not in _BACKENDS:
@@ -34,7 +36,7 @@ def choose_backend(tensor: torch.Tensor) -> str:
     # float64 is the exact-comparison path (the frozen eval); Triton does not do it.
     if tensor.is_cuda and tensor.dtype != torch.float64 and triton_available():
         return "triton"
-    return "torch"
+    return "cpu" if tensor.device.type == "cpu" else "torch"
 
 
 def write_kv(
@@ -79,8 +81,9 @@ def paged_attention(
     are host-side hints that spare a device sync. Returns
     ``[num_tokens, q_heads, head_dim]`` in the query's dtype.
     """
-    impl = paged_attention_reference
-    if choose_backend(query) == "triton":
+    backend = choose_backend(query)
+    impl = paged_attention_cpu if backend == "cpu" else paged_attention_reference
+    if backend == "triton":
         from pagefleet.kernels.triton_attention import paged_attention_triton as impl
     return impl(
         query,
