@@ -480,8 +480,14 @@ class Ingress:
     async def _stream(
         self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
-        """The worker's deltas; raises WorkerLeftRouting when the scheduler takes it out
-        of routing mid-stream (a hung worker never ends the stream by itself)."""
+        """The worker's deltas; raises WorkerLeftRouting when the worker is hung mid-stream
+        (a hung worker never ends the stream by itself).
+
+        Hung is either the scheduler's verdict (work without progress), or, seen
+        from this stream, no delta for `stall_timeout_s` while the worker is out
+        of routing for a late report: the scheduler cannot call a worker hung
+        whose last report predates this request, but the stream knows it waits.
+        """
         left = slot.left
         if left.is_set():
             raise WorkerLeftRouting(slot.worker_id)
@@ -495,12 +501,16 @@ class Ingress:
         gen = slot.handle.generate.options(num_returns="streaming").remote(request)
         leaving = asyncio.ensure_future(left.wait())
         try:
+            stall_s = self.config.scheduler.stall_timeout_s
             while True:
                 step = asyncio.ensure_future(_next_item(gen))
-                await asyncio.wait({step, leaving}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    raise WorkerLeftRouting(slot.worker_id)
+                while not step.done():
+                    await asyncio.wait(
+                        {step, leaving}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not step.done() and (leaving.done() or not slot.alive):
+                        step.cancel()
+                        raise WorkerLeftRouting(slot.worker_id)
                 item = step.result()
                 if item is None:
                     return
