@@ -158,6 +158,22 @@ def test_explicit_eviction_spills_too() -> None:
     assert tier.match(h) == 2
 
 
+def test_eviction_by_hash_spills_too() -> None:
+    # The scheduler's replica-aware hints evict by hash: the tier keeps those as well.
+    kv = random_cache(4)
+    tier = make_tier(kv, 4)
+    pool = BlockPool(4, BS, spill=tier.store)
+    h = hashes(2)
+    blocks = pool.allocate(2)
+    for b, x in zip(blocks, h, strict=True):
+        pool.register(b, x)
+    pool.free(blocks)
+    assert pool.evict_hashes([h[1]]) == 1
+    assert h[1] in tier and h[0] not in tier
+    assert pool.stats().cached == 1
+    pool.check_integrity()
+
+
 def test_revival_takes_no_more_blocks_than_the_pool_can_give() -> None:
     kv = random_cache(4)
     tier = make_tier(kv, 8)

@@ -296,20 +296,24 @@ class BlockPool:
         prefixes that waiting requests are about to reuse.
         """
         cached, ref = self._cached, self._ref
-        nxt, prev = self._next, self._prev
-        s = self._sentinel
         for h in hashes:
             b = cached.get(h)
-            if b is None or ref[b] or prev[s] == b:
-                continue
-            p, n = prev[b], nxt[b]
-            nxt[p] = n
-            prev[n] = p
-            tail = prev[s]
-            nxt[tail] = b
-            prev[b] = tail
-            nxt[b] = s
-            prev[s] = b
+            if b is not None and not ref[b]:
+                self._move(b, to_tail=True)
+
+    def _move(self, b: int, *, to_tail: bool) -> None:
+        """Unlink block `b` from the free queue and put it back at its tail (evicted
+        last) or its head (allocated first)."""
+        nxt, prev, s = self._next, self._prev, self._sentinel
+        p, n = prev[b], nxt[b]
+        nxt[p] = n
+        prev[n] = p
+        before = prev[s] if to_tail else s
+        after = nxt[before]
+        nxt[before] = b
+        prev[b] = before
+        nxt[b] = after
+        prev[after] = b
 
     def register(self, block_id: int, block_hash: bytes) -> bool:
         """Make a full, written, live block findable under `block_hash`.
@@ -338,8 +342,9 @@ class BlockPool:
     def evict_cached(self, n: int | None = None) -> int:
         """Drop the hashes of up to `n` cached blocks (all if None), LRU first.
 
-        The blocks become plain free blocks (spilled to the tier first, if any). Returns how many were evicted. The pool
-        evicts by itself on allocation; this is for an explicit policy or a reset.
+        The blocks become plain free blocks (spilled to the tier first, if any).
+        Returns how many were evicted. The pool evicts by itself on allocation;
+        this is for an explicit policy or a reset.
         """
         limit = self._num_cached if n is None else min(n, self._num_cached)
         nxt, prev = self._next, self._prev
@@ -354,14 +359,7 @@ class BlockPool:
         while done < limit:
             after = nxt[b]
             spilled.append((self._evict(b), b))
-            p = prev[b]
-            nxt[p] = after
-            prev[after] = p
-            head = nxt[s]
-            prev[head] = b
-            nxt[b] = head
-            prev[b] = s
-            nxt[s] = b
+            self._move(b, to_tail=False)
             done += 1
             b = after
         self._num_cached -= done
@@ -377,25 +375,19 @@ class BlockPool:
         scheduler's: blocks another worker of the pool also holds). Returns how
         many were evicted.
         """
-        nxt, prev, ref, cached = self._next, self._prev, self._ref, self._cached
-        s = self._sentinel
-        done = 0
+        ref, cached = self._ref, self._cached
+        spilled: list[tuple[bytes, int]] = []
         for h in hashes:
             b = cached.get(h)
             if b is None or ref[b]:
                 continue
-            self._evict(b)
-            p, after = prev[b], nxt[b]
-            nxt[p] = after
-            prev[after] = p
-            head = nxt[s]
-            prev[head] = b
-            nxt[b] = head
-            prev[b] = s
-            nxt[s] = b
-            done += 1
+            spilled.append((self._evict(b), b))
+            self._move(b, to_tail=False)
+        done = len(spilled)
         self._num_cached -= done
         self._num_free += done
+        if self._spill is not None and spilled:
+            self._spill(spilled)  # like every eviction: the offload tier keeps them
         return done
 
     def reset_prefix_cache(self) -> int:
