@@ -7,11 +7,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import ray
 
 from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.worker.llm import LLM
 
 # Small pools and short blocks: a 40-token prompt already spans several blocks.
 BLOCK_SIZE = 4
@@ -96,3 +98,15 @@ def open_stream(
     """Start a Generate call and return (channel, response iterator) for the caller to drive."""
     channel, s = stub(target)
     return channel, s.Generate(build_request(prompt, sampling), timeout=120)
+
+
+def offline_tiny() -> LLM:
+    """The offline engine of a `small_cluster_config` pool: the no-fault, no-cluster answer."""
+    return LLM(
+        model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
+    )
+
+
+def worker_stats(cluster: Any, worker_id: str) -> dict[str, Any]:
+    """`LLMEngine.stats()` of one worker of a running cluster."""
+    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))

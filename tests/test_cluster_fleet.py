@@ -23,9 +23,11 @@ import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
     generate,
+    offline_tiny,
     small_cluster_config,
     tokens_of,
     wait_for,
+    worker_stats,
 )
 
 from pagefleet import LLM, SamplingParams
@@ -61,17 +63,7 @@ def target(cluster: RunningCluster) -> str:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    cfg = small_cluster_config().pools[0]
-    return LLM(
-        model="tiny",
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
-        max_model_len=cfg.max_model_len,
-    )
-
-
-def _stats(cluster: RunningCluster, worker_id: str) -> dict[str, Any]:
-    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))
+    return offline_tiny()
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +73,7 @@ def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
 
     def clean() -> bool:
         for worker_id, _ in cluster.workers["default"]:
-            s = _stats(cluster, worker_id)
+            s = worker_stats(cluster, worker_id)
             if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
                 return False
         return True

@@ -18,6 +18,7 @@ import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
     generate,
+    offline_tiny,
     open_stream,
     pool_status,
     small_cluster_config,
@@ -25,6 +26,7 @@ from cluster_fixtures import (
     stub,
     tokens_of,
     wait_for,
+    worker_stats,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -59,17 +61,7 @@ def target(cluster: RunningCluster) -> str:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    cfg = small_cluster_config().pools[0]
-    return LLM(
-        model="tiny",
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
-        max_model_len=cfg.max_model_len,
-    )
-
-
-def _worker_stats(cluster: RunningCluster, worker_id: str) -> dict[str, Any]:
-    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))
+    return offline_tiny()
 
 
 def _live_workers(target: str) -> list[str]:
@@ -83,7 +75,7 @@ def pools_end_clean(cluster: RunningCluster, target: str) -> Iterator[None]:
 
     def clean() -> bool:
         for worker_id in _live_workers(target):
-            s = _worker_stats(cluster, worker_id)
+            s = worker_stats(cluster, worker_id)
             if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
                 return False
         return True
@@ -188,7 +180,7 @@ def _leave_mid_stream(cluster: RunningCluster, target: str, how: str) -> None:
     and check the worker aborts it (not just finishes it) and frees its blocks."""
     for attempt in range(3):
         channel, it, worker_id = _stream_started(target, f"Leave me after a token ({attempt})")
-        stats = _worker_stats(cluster, worker_id)
+        stats = worker_stats(cluster, worker_id)
         if stats["live"] == 0:
             # A loaded machine let the whole request finish before the client could
             # leave: that proves nothing about abort, so try again.
@@ -204,7 +196,7 @@ def _leave_mid_stream(cluster: RunningCluster, target: str, how: str) -> None:
         aborted_before = stats["requests_aborted"]
 
         def aborted_and_freed(worker: str = worker_id, before: int = aborted_before) -> bool:
-            now = _worker_stats(cluster, worker)
+            now = worker_stats(cluster, worker)
             return bool(now["live"] == 0 and now["requests_aborted"] == before + 1)
 
         wait_for(
@@ -329,7 +321,7 @@ def _hold_spare0(cluster: RunningCluster, target: str) -> list[tuple[grpc.Channe
     holders = [open_stream_in_pool(target, f"hold the worker {i}", "spare0") for i in range(4)]
     worker_id = cluster.workers["spare0"][0][0]
     wait_for(
-        lambda: (lambda s: s["num_running"] + s["num_waiting"])(_worker_stats(cluster, worker_id)) == 4,
+        lambda: (lambda s: s["num_running"] + s["num_waiting"])(worker_stats(cluster, worker_id)) == 4,
         30,
         "four requests on spare0's worker",
     )
@@ -338,7 +330,7 @@ def _hold_spare0(cluster: RunningCluster, target: str) -> list[tuple[grpc.Channe
 
 def _on_worker_and_pool(cluster: RunningCluster, target: str) -> tuple[int, int]:
     """(requests in spare0's engine, requests the pool status counts incl. the ingress queue)."""
-    s = _worker_stats(cluster, cluster.workers["spare0"][0][0])
+    s = worker_stats(cluster, cluster.workers["spare0"][0][0])
     p = pool_status(target, "spare0")
     return s["num_running"] + s["num_waiting"], p.num_running + p.num_waiting
 
