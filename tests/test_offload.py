@@ -145,7 +145,8 @@ def test_an_evicted_block_spills_with_its_kv_and_revives_into_a_fresh_block() ->
     tier.check_integrity()
 
 
-def test_explicit_eviction_spills_too() -> None:
+def two_cached_blocks_with_a_tier() -> tuple[HostOffloadTier, BlockPool, list[bytes]]:
+    """A 4-block pool spilling into a tier, with two hashed blocks cached (ref 0)."""
     kv = random_cache(4)
     tier = make_tier(kv, 4)
     pool = BlockPool(4, BS, spill=tier.store)
@@ -154,20 +155,18 @@ def test_explicit_eviction_spills_too() -> None:
     for b, x in zip(blocks, h, strict=True):
         pool.register(b, x)
     pool.free(blocks)
+    return tier, pool, h
+
+
+def test_explicit_eviction_spills_too() -> None:
+    tier, pool, h = two_cached_blocks_with_a_tier()
     assert pool.evict_cached(None) == 2
     assert tier.match(h) == 2
 
 
 def test_eviction_by_hash_spills_too() -> None:
     # The scheduler's replica-aware hints evict by hash: the tier keeps those as well.
-    kv = random_cache(4)
-    tier = make_tier(kv, 4)
-    pool = BlockPool(4, BS, spill=tier.store)
-    h = hashes(2)
-    blocks = pool.allocate(2)
-    for b, x in zip(blocks, h, strict=True):
-        pool.register(b, x)
-    pool.free(blocks)
+    tier, pool, h = two_cached_blocks_with_a_tier()
     assert pool.evict_hashes([h[1]]) == 1
     assert h[1] in tier and h[0] not in tier
     assert pool.stats().cached == 1
