@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens, {workload.max_tokens} new tokens, one request every {args.interval_ms:g} ms",
         flush=True,
     )
-    from pagefleet.cluster.ingress import load_tokenizer
+    from pagefleet.cluster.prompts import load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     cluster = start_cluster(

@@ -7,17 +7,13 @@ import asyncio
 
 import pytest
 
+from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError, api_key_from_metadata
 from pagefleet.cluster.client import build_request, format_status, sampling_to_proto
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.grpc_server import api_key_from_metadata, request_from_proto
-from pagefleet.cluster.ingress import (
-    ErrorCode,
-    GenerationRequest,
-    Ingress,
-    IngressError,
-    WorkerSlot,
-)
+from pagefleet.cluster.grpc_server import request_from_proto
+from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
@@ -118,7 +114,7 @@ def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:
 def test_pool_without_live_workers_is_unavailable() -> None:
     ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a"}]}), {})
     with pytest.raises(IngressError) as err:
-        ingress._admit(ingress.config.pools[0], _request("r0"), [1, 2, 3])
+        ingress.admission.admit(ingress.config.pools[0], _request("r0"), [1, 2, 3])
     assert err.value.code is ErrorCode.UNAVAILABLE
 
 
@@ -148,15 +144,14 @@ def test_requests_beyond_the_workers_room_wait_and_leave_in_fifo_order() -> None
     async def scenario() -> None:
         ingress = _two_full_workers()
         pool = ingress.config.pools[0]
-        first = ingress._admit(pool, _request("r1"), [1, 2, 3])
-        second = ingress._admit(pool, _request("r2"), [1, 2, 3])
+        first = ingress.admission.admit(pool, _request("r1"), [1, 2, 3])
+        second = ingress.admission.admit(pool, _request("r2"), [1, 2, 3])
         assert isinstance(first, WorkerSlot) and isinstance(second, WorkerSlot)
         assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # one each
-        waiting = [ingress._admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
+        waiting = [ingress.admission.admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
         assert not any(isinstance(w, WorkerSlot) for w in waiting)
         assert ingress.status("a")[0]["num_waiting"] == 2
-        first.in_flight -= 1  # r1 finished
-        ingress._dispatch("a")
+        ingress.admission.release(first)  # r1 finished
         w3, w4 = (w for w in waiting if not isinstance(w, WorkerSlot))
         assert w3.future.result() is first and not w4.future.done()
         assert ingress.status("a")[0]["num_waiting"] == 1
@@ -169,9 +164,9 @@ def test_a_full_wait_queue_is_resource_exhausted_naming_the_limit() -> None:
         ingress = _two_full_workers()
         pool = ingress.config.pools[0]
         for r in ("r1", "r2", "r3", "r4"):
-            ingress._admit(pool, _request(r), [1, 2, 3])
+            ingress.admission.admit(pool, _request(r), [1, 2, 3])
         with pytest.raises(IngressError) as err:
-            ingress._admit(pool, _request("r5"), [1, 2, 3])
+            ingress.admission.admit(pool, _request("r5"), [1, 2, 3])
         assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED
         assert "limit 4 (2 workers x max_num_seqs 1 + wait_queue_size 2)" in err.value.message
 
@@ -183,8 +178,8 @@ def test_aborting_a_waiting_request_ends_it_and_frees_its_place() -> None:
         ingress = _two_full_workers()
         pool = ingress.config.pools[0]
         for r in ("r1", "r2"):
-            ingress._admit(pool, _request(r), [1, 2, 3])
-        waiter = ingress._admit(pool, _request("r3"), [1, 2, 3])
+            ingress.admission.admit(pool, _request(r), [1, 2, 3])
+        waiter = ingress.admission.admit(pool, _request("r3"), [1, 2, 3])
         assert not isinstance(waiter, WorkerSlot)
         assert await ingress.abort("r3", tenant="default")
         assert waiter.future.result() is None  # generate() ends the stream with "abort"

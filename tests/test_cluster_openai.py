@@ -24,9 +24,9 @@ from cluster_fixtures import pool_status, wait_for
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
+from pagefleet.cluster.api import ErrorCode, IngressError
 from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
-from pagefleet.cluster.ingress import ErrorCode, IngressError
 from pagefleet.cluster.openai_http import chat_prompt, parse_request, resolve_pool
 from pagefleet.commands.serve import check_port_free, load_config
 

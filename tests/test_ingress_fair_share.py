@@ -10,14 +10,12 @@ import asyncio
 
 import pytest
 
+from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError
 from pagefleet.cluster.config import ClusterConfig, ConfigError
-from pagefleet.cluster.ingress import (
-    ErrorCode,
-    GenerationRequest,
-    Ingress,
-    IngressError,
-    WorkerSlot,
-)
+from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.worker_slots import WorkerSlot
+from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.worker.events import WorkerInfo
 
 
 def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingress:
@@ -33,9 +31,9 @@ def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingre
         }
     )
     ingress = Ingress(config, {"shared": [("w0", None), ("w1", None)]})
-    for slot in ingress._pools["shared"]:
-        slot.alive = True
-        ingress.router.set_alive(slot.worker_id, True)
+    # The scheduler's view brings both workers into routing.
+    live = tuple(WorkerDelta(WorkerInfo(w, "shared", 64), True, None) for w in ("w0", "w1"))
+    ingress.fleet.apply(ViewUpdate(1, 2, True, live))
     return ingress
 
 
@@ -51,7 +49,7 @@ def _flood(ingress: Ingress, tenant: str, count: int) -> tuple[list[object], lis
     refused: list[IngressError] = []
     for i in range(count):
         try:
-            admitted.append(ingress._admit(pool, _request(tenant, f"{tenant}{i}"), [1, 2, 3]))
+            admitted.append(ingress.admission.admit(pool, _request(tenant, f"{tenant}{i}"), [1, 2, 3]))
         except IngressError as exc:
             refused.append(exc)
     return admitted, refused
@@ -88,10 +86,9 @@ def test_the_first_slot_that_frees_goes_to_b_not_to_a_s_backlog() -> None:
         (b_waiter,), _ = _flood(ingress, "b", 1)
         first = running[0]
         assert isinstance(first, WorkerSlot) and not isinstance(b_waiter, WorkerSlot)
-        first.in_flight -= 1  # one of a's requests finished
-        ingress._dispatch("shared")
+        ingress.admission.release(first)  # one of a's requests finished
         assert b_waiter.future.result() is first
-        assert ingress._waiting.size("shared", "a") == 2
+        assert ingress.admission.waiting("shared", "a") == 2
 
     asyncio.run(scenario())
 

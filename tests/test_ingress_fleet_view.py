@@ -44,7 +44,7 @@ def test_only_a_hung_worker_makes_its_streams_leave() -> None:
     async def scenario() -> None:
         ingress = _ingress()
         _apply(ingress, 2, _delta("w0"), _delta("w1"))
-        w0, w1 = ingress._pools["a"]
+        w0, w1 = ingress.slots.pool("a")
         _apply(ingress, 3, _delta("w0", alive=False, seq=2))  # late report: streams stay
         assert not w0.left.is_set()
         _apply(ingress, 4, _delta("w1", alive=False, stalled=True, seq=2))  # hung: they move

@@ -49,3 +49,26 @@ def test_only_the_actor_modules_import_ray() -> None:
         )
     )
     assert importers == ["scheduler/actor.py", "worker/actor.py"]
+
+
+FRONTS = ("grpc_server", "openai_http", "dashboard", "drain")
+
+
+def _cluster_imports(module: str) -> set[str]:
+    tree = ast.parse((PACKAGE / "cluster" / f"{module}.py").read_text())
+    return {
+        node.module.split(".")[2]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("pagefleet.cluster.")
+    }
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_front_sees_the_ingress_only_through_the_shared_api(front: str) -> None:
+    imports = _cluster_imports(front)
+    assert "api" in imports
+    assert "ingress" not in imports
+    # Neither wire protocol depends on the other.
+    assert not imports & ({"grpc_server", "openai_http"} - {front})

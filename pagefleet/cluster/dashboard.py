@@ -26,16 +26,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from pagefleet.cluster.api import Front, IngressError, api_key_from_metadata
 from pagefleet.cluster.config import TenantConfig
-from pagefleet.cluster.grpc_server import api_key_from_metadata
-from pagefleet.cluster.ingress import Ingress, IngressError
 from pagefleet.worker.events import LoadReport
 
 # HTTP status of an authentication failure on the JSON endpoint.
 _AUTH_STATUS = {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
 
 
-def snapshot(ingress: Ingress, tenant: TenantConfig | None = None) -> dict[str, Any]:
+def snapshot(ingress: Front, tenant: TenantConfig | None = None) -> dict[str, Any]:
     """The pools `tenant` may see: GetStatus's counters plus tenant live blocks, preemptions, evictions.
 
     Live blocks are labelled by tenant name, never by salt (a configured salt is
@@ -74,7 +73,7 @@ def _label_tenants(
     return labelled
 
 
-def dashboard_routes(ingress: Ingress) -> list[Route]:
+def dashboard_routes(ingress: Front) -> list[Route]:
     """The `/dashboard` page and its `/dashboard/state` JSON, for the HTTP server's routes."""
 
     async def page(request: Request) -> Response:

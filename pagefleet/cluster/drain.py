@@ -17,10 +17,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 
-from pagefleet.cluster.ingress import (
+from pagefleet.cluster.api import (
     ErrorCode,
+    Front,
     GenerationRequest,
-    Ingress,
     IngressError,
     StreamDelta,
 )
@@ -34,7 +34,7 @@ ABORT_GRACE_S = 5.0
 class Drain:
     """Tracks the requests in flight on one ingress and drains them on shutdown."""
 
-    def __init__(self, ingress: Ingress) -> None:
+    def __init__(self, ingress: Front) -> None:
         self._ingress = ingress
         self._active: dict[int, GenerationRequest] = {}
         self._next = 0

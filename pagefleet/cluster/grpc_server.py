@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,16 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagefleet.cluster.drain import Drain
-from pagefleet.cluster.ingress import (
+from pagefleet.cluster.api import (
+    DEFAULT_MAX_TOKENS,
     ErrorCode,
+    Front,
     GenerationRequest,
-    Ingress,
     IngressError,
     StreamDelta,
+    api_key_from_metadata,
 )
+from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
@@ -45,20 +47,7 @@ _STATUS_CODES = {
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
-DEFAULT_MAX_TOKENS = 16
 HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
-
-
-def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
-    """The client's API key: `x-api-key: KEY` or `authorization: Bearer KEY`."""
-    for key, value in metadata or ():
-        # Binary or non-UTF-8 header bytes are no key of ours (an unknown key, not a crash).
-        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-        if key == "x-api-key":
-            return text
-        if key == "authorization" and text.lower().startswith("bearer "):
-            return text[len("bearer ") :].strip()
-    return None
 
 
 def request_from_proto(
@@ -129,7 +118,7 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
 class GenerationServicer(pb_grpc.GenerationServicer):
     """gRPC front of one `Ingress`."""
 
-    def __init__(self, ingress: Ingress, drain: Drain | None = None) -> None:
+    def __init__(self, ingress: Front, drain: Drain | None = None) -> None:
         self._ingress = ingress
         self._drain = drain or Drain(ingress)
 
@@ -176,7 +165,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def serving_status(
-    ingress: Ingress, drain: Drain | None = None
+    ingress: Front, drain: Drain | None = None
 ) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
     """SERVING while every pool has a live worker (as the HTTP /health says) and the server
     is not draining, else NOT_SERVING."""
@@ -186,7 +175,7 @@ def serving_status(
 
 async def _track_health(
     server: grpc.aio.Server,
-    ingress: Ingress,
+    ingress: Front,
     health_servicer: health.aio.HealthServicer,
     drain: Drain,
 ) -> None:
@@ -271,7 +260,7 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
 
 
 async def start_grpc_server(
-    ingress: Ingress, host: str = "0.0.0.0", port: int = 50051, *, drain: Drain | None = None
+    ingress: Front, host: str = "0.0.0.0", port: int = 50051, *, drain: Drain | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Start the Generation, health and reflection services; returns the server and its bound port.
 

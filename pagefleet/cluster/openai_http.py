@@ -37,17 +37,18 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagefleet.cluster.api import (
+    DEFAULT_MAX_TOKENS,
+    ErrorCode,
+    Front,
+    GenerationRequest,
+    IngressError,
+    StreamDelta,
+    api_key_from_metadata,
+)
 from pagefleet.cluster.config import ClusterConfig, ServerConfig, TenantConfig
 from pagefleet.cluster.dashboard import dashboard_routes
 from pagefleet.cluster.drain import Drain
-from pagefleet.cluster.grpc_server import DEFAULT_MAX_TOKENS, api_key_from_metadata
-from pagefleet.cluster.ingress import (
-    ErrorCode,
-    GenerationRequest,
-    Ingress,
-    IngressError,
-    StreamDelta,
-)
 from pagefleet.worker.chat import ChatTemplateError
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 
@@ -599,7 +600,7 @@ def _check_unicode(body: Any) -> None:
 # ----- the ASGI app -----------------------------------------------------------------------
 
 
-def build_app(ingress: Ingress, drain: Drain | None = None) -> Starlette:
+def build_app(ingress: Front, drain: Drain | None = None) -> Starlette:
     """The Starlette app of the OpenAI endpoints over `ingress`."""
     api = _OpenAIApi(ingress, drain or Drain(ingress))
     routes = [
@@ -624,7 +625,7 @@ def build_app(ingress: Ingress, drain: Drain | None = None) -> Starlette:
 class _OpenAIApi:
     """Endpoint handlers; each authenticates with the ingress's tenant logic (as gRPC does)."""
 
-    def __init__(self, ingress: Ingress, drain: Drain) -> None:
+    def __init__(self, ingress: Front, drain: Drain) -> None:
         self._ingress = ingress
         self._drain = drain
         self._created = int(time.time())
@@ -792,7 +793,7 @@ class HttpServer:
 
 
 async def start_http_server(
-    ingress: Ingress, host: str = "0.0.0.0", port: int = 8000, *, drain: Drain | None = None
+    ingress: Front, host: str = "0.0.0.0", port: int = 8000, *, drain: Drain | None = None
 ) -> HttpServer:
     """Serve the OpenAI endpoints of `ingress` on host:port (0 picks a free port).
 

@@ -1,0 +1,223 @@
+"""Admission at the ingress: route a request when a worker has room, else queue it.
+
+Late binding: a request is sent to a worker only when some live worker of its
+pool has room for it (fewer than max_num_seqs of this replica's requests in
+flight there and, by its latest load report, free plus cached blocks for the
+prompt's uncached blocks). Otherwise it waits in the pool's bounded
+`FairWaitQueue` (tenants sharing the pool in weighted fair order, FIFO within
+a tenant) and is routed when a request finishes or the view shows capacity,
+so the router places it with fresh load and cache information instead of it
+queuing blind inside one worker's engine. Past the queue's bound, or past the
+tenant's share of it, the request is refused with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError
+from pagefleet.cluster.config import ClusterConfig, PoolConfig
+from pagefleet.cluster.metrics import IngressMetrics
+from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
+from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
+from pagefleet.scheduler.fair_queue import FairWaitQueue
+from pagefleet.scheduler.policy import ResourceExhausted, can_admit
+from pagefleet.worker.config import EngineConfig
+
+
+@dataclass
+class Waiter:
+    """A request waiting in its pool's wait queue for a worker with room.
+
+    `future` resolves to the slot it was routed to (with `in_flight` already
+    counted), or to None when the request was aborted while waiting.
+    """
+
+    pool: str
+    prompt_ids: list[int]
+    hashes: list[bytes]
+    future: asyncio.Future[WorkerSlot | None]
+
+
+class Admission:
+    """The wait queues of one ingress replica and the rule that routes out of them."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        router: Router,
+        slots: WorkerSlots,
+        metrics: IngressMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.slots = slots
+        self.metrics = metrics
+        self.policy = config.router.policy
+        # Tenants sharing a pool split its queue by weight and are dispatched fairly.
+        members = {
+            pool.name: {t.name: t.weight for t in config.tenants if t.pool == pool.name}
+            for pool in config.pools
+        }
+        self._waiting: FairWaitQueue[Waiter] = FairWaitQueue(
+            config.scheduler.wait_queue_size, members
+        )
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"router policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.policy = policy
+
+    # ----- the queue ----------------------------------------------------
+
+    def waiting(self, pool: str, tenant: str | None = None) -> int:
+        """Requests waiting in the pool's queue (of one tenant, if given)."""
+        return self._waiting.size(pool, tenant)
+
+    def is_waiting(self, key: str) -> bool:
+        return key in self._waiting
+
+    def admit(self, pool: PoolConfig, req: GenerationRequest, prompt_ids: list[int]) -> WorkerSlot | Waiter:
+        """Route now when a worker has room and nobody waits, else join the pool's wait queue.
+
+        Returns the routed slot (its `in_flight` counted) or the queued waiter.
+        Raises UNAVAILABLE without a live worker and RESOURCE_EXHAUSTED when
+        the wait queue is full.
+        """
+        slots = self.slots.pool(pool.name)
+        live = sum(1 for slot in slots if slot.alive)
+        if live == 0:
+            raise IngressError(ErrorCode.UNAVAILABLE, f"no live worker in pool {pool.name!r}")
+        hashes = self.router.block_hashes(pool.name, prompt_ids, salt=req.salt)
+        if self._waiting.size(pool.name) == 0:  # FIFO: nobody may overtake a waiting request
+            slot = self._place(pool, prompt_ids, hashes)
+            if slot is not None:
+                self._waiting.charge(pool.name, req.tenant)  # its turn counts in fair order
+                return slot
+        waiter = Waiter(pool.name, prompt_ids, hashes, asyncio.get_running_loop().create_future())
+        try:
+            self._waiting.push(pool.name, req.tenant, req.key, waiter)
+        except ResourceExhausted as exc:
+            raise self._refusal(pool, req.tenant, live) from exc
+        return waiter
+
+    def _refusal(self, pool: PoolConfig, tenant: str, live: int) -> IngressError:
+        max_num_seqs = max_num_seqs_of(pool)
+        queue = self.config.scheduler.wait_queue_size
+        running = sum(slot.in_flight for slot in self.slots.pool(pool.name))
+        share = self._waiting.share(pool.name, tenant)
+        over_share = self._waiting.size(pool.name, tenant) >= share and share < queue
+        if self.metrics is not None:
+            reason = "queue_share" if over_share else "queue_full"
+            self.metrics.tenant_requests_refused.labels(pool.name, tenant, reason).inc()
+        if over_share:
+            # The pool may have room in its queue, but not for this tenant: others
+            # sharing the pool keep their part (a flood cannot lock them out).
+            return IngressError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"tenant {tenant!r} has {share} requests waiting in pool {pool.name!r}, "
+                f"its share of wait_queue_size {queue} (weight "
+                f"{self._waiting.weight(pool.name, tenant):g}); retry later",
+            )
+        return IngressError(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"pool {pool.name!r} is full: {running} requests running and "
+            f"{self._waiting.size(pool.name)} waiting, limit {live * max_num_seqs + queue} "
+            f"({live} workers x max_num_seqs {max_num_seqs} + wait_queue_size {queue}); "
+            "retry later",
+        )
+
+    def cancel(self, key: str) -> bool:
+        """Take a waiting request out of the queue; its waiter resolves to None. False: not waiting."""
+        waiter = self._waiting.get(key)
+        if waiter is None:
+            return False
+        self._waiting.remove(key)
+        if not waiter.future.done():
+            waiter.future.set_result(None)
+        return True
+
+    def leave(self, key: str, waiter: Waiter) -> None:
+        """A waiting request's client went away: drop it, or give back the slot it just got."""
+        if self._waiting.get(key) is waiter:
+            self._waiting.remove(key)
+        if not waiter.future.done():
+            waiter.future.cancel()
+        elif not waiter.future.cancelled() and (slot := waiter.future.result()) is not None:
+            # Routed, but cancelled before it could start: the worker never saw it.
+            slot.in_flight -= 1
+        self.dispatch(waiter.pool)  # the new head of the queue may fit where this one did not
+
+    def release(self, slot: WorkerSlot) -> None:
+        """A request of this replica left the worker (finished, failed or moved)."""
+        slot.in_flight -= 1
+        self.dispatch(slot.pool)
+
+    # ----- routing ------------------------------------------------------
+
+    def route(
+        self, pool: str, token_ids: Sequence[int], salt: str | None, exclude: Sequence[str] | set[str]
+    ) -> WorkerSlot:
+        """A live worker for a request that must move now (failover), room or not."""
+        try:
+            decision = self.router.route(
+                pool, token_ids, salt=salt, policy=self.policy, exclude=exclude
+            )
+        except NoWorkerAvailable as exc:
+            raise IngressError(
+                ErrorCode.UNAVAILABLE, f"no live worker in pool {pool!r}: {exc}"
+            ) from exc
+        return self.slots[decision.worker_id]
+
+    def _place(self, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]) -> WorkerSlot | None:
+        """Route to a live worker with room (counting it in flight there), or None if all are full."""
+        full = [
+            slot.worker_id
+            for slot in self.slots.pool(pool.name)
+            if not self._has_room(slot, pool, prompt_ids, hashes)
+        ]
+        try:
+            decision = self.router.route_hashes(pool.name, hashes, policy=self.policy, exclude=full)
+        except NoWorkerAvailable:
+            return None
+        slot = self.slots[decision.worker_id]
+        slot.in_flight += 1
+        return slot
+
+    def _has_room(
+        self, slot: WorkerSlot, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]
+    ) -> bool:
+        if not slot.alive:
+            return False
+        if slot.in_flight == 0:
+            return True  # an idle worker takes anything that fits max_model_len
+        if slot.in_flight >= max_num_seqs_of(pool):
+            return False
+        if slot.report is None:
+            return True
+        # The report may be one push old; the delta that refreshes it dispatches again.
+        matched = self.router.matched_blocks(slot.worker_id, hashes)
+        return can_admit(slot.report, len(prompt_ids), pool.block_size, matched_blocks=matched)
+
+    def dispatch(self, pool_name: str) -> None:
+        """Route the pool's waiting requests, in fair order, while a worker has room for them."""
+        # With every worker out of routing (restarting, or a late report) the waiters
+        # keep waiting: the view delta that shows a worker back dispatches them.
+        pool = self.config.pool(pool_name)
+        while (head := self._waiting.peek(pool_name)) is not None:
+            key, waiter = head
+            if waiter.future.done():
+                # Its task was cancelled and has not run its cleanup yet: skip it.
+                self._waiting.remove(key)
+                continue
+            slot = self._place(pool, waiter.prompt_ids, waiter.hashes)
+            if slot is None:
+                return  # the head waits for room, and so does everyone behind it
+            self._waiting.pop(pool_name)  # advances the pool's virtual clock (fair order)
+            waiter.future.set_result(slot)
+
+
+def max_num_seqs_of(pool: PoolConfig) -> int:
+    return int(pool.engine_kwargs().get("max_num_seqs") or EngineConfig.max_num_seqs)

@@ -1,0 +1,189 @@
+"""What the fronts (gRPC, OpenAI HTTP, dashboard, drain) share with the ingress.
+
+The wire protocols depend on this module and on nothing of each other: the
+request and delta types, the error codes, the API-key rule, and `Front`, the
+interface of the ingress they serve (`pagefleet.cluster.ingress.Ingress`
+implements it).
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagefleet.cluster.config import ClusterConfig, TenantConfig
+from pagefleet.worker.events import LoadReport
+from pagefleet.worker.sampling_params import SamplingParams
+
+# max_tokens when a request leaves it unset (0 on gRPC, absent in JSON).
+DEFAULT_MAX_TOKENS = 16
+
+
+class ErrorCode(enum.Enum):
+    """Why the ingress refused or ended a request (mapped to gRPC status codes)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+class IngressError(Exception):
+    """A request the ingress cannot serve; `code` says why, `message` says what to fix."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+# Token ids travel as int32 on gRPC; no vocabulary comes near it.
+MAX_TOKEN_ID = 2**31
+# A client's request_id is echoed in every message and kept while the request runs.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """The id a request has inside the cluster (ingress tables, workers): unique per tenant.
+
+    Two tenants may use the same request_id; the length prefix keeps every
+    (tenant, id) pair distinct whatever characters either holds.
+    """
+    return f"{len(tenant)}:{tenant}:{request_id}"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated generation request, independent of the wire protocol.
+
+    `tenant` (the authenticated tenant's name) scopes `request_id`: ids,
+    aborts and duplicates are per tenant.
+    """
+
+    request_id: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+    pool: str = ""
+    salt: str | None = None
+    # The authenticated tenant's name: its fair share of the pool's wait queue,
+    # and the scope of its request ids.
+    tenant: str = ""
+
+    @property
+    def key(self) -> str:
+        """`scoped_request_id(tenant, request_id)`: the id workers and the ingress tables use."""
+        return scoped_request_id(self.tenant, self.request_id)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling: Mapping[str, Any],
+        priority: int = 0,
+        pool: str = "",
+        salt: str | None = None,
+        tenant: str = "",
+    ) -> GenerationRequest:
+        """Build and validate; raises ValueError (from SamplingParams) with the limit."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+            )
+        if not isinstance(prompt, str):
+            for pos, tok in enumerate(prompt):
+                # The engine checks the model's vocabulary; this bound keeps hashing safe first.
+                if not 0 <= tok < MAX_TOKEN_ID:
+                    raise ValueError(
+                        f"prompt token id {tok} at position {pos} is outside [0, {MAX_TOKEN_ID})"
+                    )
+        return cls(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt),
+            params=SamplingParams(**sampling),
+            priority=priority,
+            pool=pool,
+            salt=salt,
+            tenant=tenant,
+        )
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one request since the previous delta; the last one has `finish_reason`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    worker_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # With SamplingParams.logprobs: [token_id, logprob, [[id, logprob], ...]] per token.
+    logprobs: list[Any] | None = None
+
+
+def unknown_pool(name: str) -> IngressError:
+    """NOT_FOUND for a pool the caller may not see; names no other pool."""
+    return IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}")
+
+
+def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The client's API key: `x-api-key: KEY` or `authorization: Bearer KEY`."""
+    for key, value in metadata or ():
+        # Binary or non-UTF-8 header bytes are no key of ours (an unknown key, not a crash).
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        if key == "x-api-key":
+            return text
+        if key == "authorization" and text.lower().startswith("bearer "):
+            return text[len("bearer ") :].strip()
+    return None
+
+
+class Front(Protocol):
+    """What a front calls on the ingress it serves."""
+
+    config: ClusterConfig
+    replica_id: str
+
+    def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
+        """Stream one request; raises IngressError before or during the stream."""
+        ...
+
+    async def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Abort `tenant`'s request; False when it has none of that id."""
+        ...
+
+    def authenticate(self, api_key: str | None) -> TenantConfig:
+        """The tenant of an API key (UNAUTHENTICATED when none)."""
+        ...
+
+    def tenant_pool(self, tenant: TenantConfig, requested: str) -> str:
+        """The pool the tenant's request runs in (NOT_FOUND for one it may not use)."""
+        ...
+
+    def tokenizer(self, pool: str) -> Any:
+        """The pool's HF tokenizer (None: the model has none)."""
+        ...
+
+    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[dict[str, Any]]:
+        """Per pool and per worker counters, as GetStatus reports them."""
+        ...
+
+    def live_workers(self) -> dict[str, int]:
+        """Live workers per pool."""
+        ...
+
+    def worker_reports(self) -> dict[str, LoadReport | None]:
+        """Each worker's latest load report."""
+        ...

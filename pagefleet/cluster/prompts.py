@@ -1,0 +1,110 @@
+"""Prompts at the ingress: tokenized once, checked against the pool's limits first.
+
+The ingress tokenizes with the same tokenizer files the workers load, so its
+block hashes (routing) agree with theirs. A text that cannot fit
+max_model_len is refused before tokenizing; a long one is tokenized in a
+thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagefleet.cluster.api import ErrorCode, IngressError
+from pagefleet.cluster.config import PoolConfig
+from pagefleet.worker.sampling_params import SamplingParams
+
+# Text prompts up to this many characters are tokenized inline (well under a
+# millisecond); longer ones in a thread, off the event loop.
+INLINE_TOKENIZE_CHARS = 4096
+# A lower bound on characters per token for the prompt-length check (byte-fallback
+# and <unk> tokens may stand for more characters than their own spelling).
+MIN_CHARS_PER_TOKEN = 8
+# HF tokenizers report a huge model_max_length when the model's limit is unknown.
+UNKNOWN_MODEL_LEN = 10**7
+
+
+class Prompts:
+    """Per-pool tokenizers and the prompt checks that need them."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Any] = {}
+        self._max_token_chars: dict[str, int] = {}
+
+    def tokenizer(self, pool: PoolConfig) -> Any:
+        """The pool's HF tokenizer, loaded on first use (None: the model has none)."""
+        if pool.name not in self._tokenizers:
+            self._tokenizers[pool.name] = load_tokenizer(pool.model)
+        return self._tokenizers[pool.name]
+
+    async def token_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
+        """Token ids of a prompt, refusing a text too long to fit before tokenizing it.
+
+        A long text is tokenized in a thread: on the event loop it would stall every
+        other stream of this ingress (tokenizing a megabyte takes seconds).
+        """
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, self._max_prompt_chars(pool))
+            if len(prompt) > INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(self._encode, pool, prompt)
+        return self._encode(pool, prompt)
+
+    def _max_prompt_chars(self, pool: PoolConfig) -> int | None:
+        """No prompt longer than this fits: max_model_len tokens x the longest token's characters."""
+        tokenizer = self.tokenizer(pool)
+        limit = pool.max_model_len or getattr(tokenizer, "model_max_length", None)
+        if not isinstance(limit, int) or limit > UNKNOWN_MODEL_LEN:
+            return None  # HF's placeholder for "no limit known": the message size bounds it
+        if pool.name not in self._max_token_chars:
+            longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+            self._max_token_chars[pool.name] = max(longest, MIN_CHARS_PER_TOKEN)
+        return limit * self._max_token_chars[pool.name]
+
+    def _encode(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        tokenizer = self.tokenizer(pool)
+        if tokenizer is None:
+            raise IngressError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"pool {pool.name!r} serves a model without a tokenizer: send prompt_token_ids",
+            )
+        return [int(t) for t in tokenizer.encode(prompt)]  # as LLMEngine does
+
+
+def check_length(pool: PoolConfig, prompt_ids: list[int], params: SamplingParams) -> None:
+    """INVALID_ARGUMENT for an empty prompt, or one that cannot fit with its max_tokens."""
+    if not prompt_ids:
+        raise IngressError(ErrorCode.INVALID_ARGUMENT, "prompt is empty")
+    limit = pool.max_model_len
+    if limit is not None and len(prompt_ids) + params.max_tokens > limit:
+        raise IngressError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds max_model_len {limit}",
+        )
+
+
+def check_prompt_text(prompt: str, max_chars: int | None) -> None:
+    """INVALID_ARGUMENT for a text prompt that is not Unicode text or cannot fit max_model_len."""
+    if max_chars is not None and len(prompt) > max_chars:
+        raise IngressError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"prompt of {len(prompt)} characters cannot fit: at most {max_chars} characters "
+            "(max_model_len x the longest token's characters)",
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from JSON "\ud800"
+        raise IngressError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"prompt is not valid Unicode: {exc.reason} at character {exc.start}",
+        ) from exc
+
+
+def load_tokenizer(model: str) -> Any:
+    """The HF tokenizer of a pool's model, resolved as the workers do (None: it has none)."""
+    from pagefleet.worker import model_files
+
+    return model_files.load_tokenizer(model_files.resolve_model_path(model))

@@ -1,0 +1,210 @@
+"""The ingress's table of worker actors, kept by the central scheduler's view.
+
+One `WorkerSlot` per worker of the deployment: its handle, liveness and
+latest load report as the view last said, and what this ingress replica alone
+knows exactly (requests it has in flight there). `WorkerSlots` applies each
+`WorkerDelta` of the view (`pagefleet.cluster.fleet_view.FleetView` feeds it)
+and answers "who is alive, how full is it" for admission and status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.cluster.config import ClusterConfig, PoolConfig
+from pagefleet.cluster.metrics import IngressMetrics
+from pagefleet.cluster.router import Router
+from pagefleet.scheduler.state import WorkerDelta
+from pagefleet.worker.events import LoadReport
+
+logger = logging.getLogger(__name__)
+
+# Pool and worker counters that GetStatus and the dashboard report.
+BLOCK_FIELDS = (
+    "total_blocks",
+    "free_blocks",
+    "live_blocks",
+    "cached_blocks",
+    "peak_live_blocks",
+    "num_running",
+    "num_waiting",
+)
+
+
+@dataclass
+class WorkerSlot:
+    """The ingress's view of one worker actor."""
+
+    worker_id: str
+    pool: str
+    handle: Any
+    alive: bool = False
+    node_id: str = ""
+    report: LoadReport | None = None
+    requests_routed: int = 0
+    # Set when the worker leaves routing: streams running there stop waiting on it and
+    # move. A fresh event each time it comes back.
+    left: asyncio.Event = field(default_factory=asyncio.Event)
+    # Requests this ingress has sent to the worker and not seen finish: exact and
+    # never stale, unlike the report's counts, so admission counts on it.
+    in_flight: int = 0
+
+
+class WorkerSlots:
+    """Every worker slot of the deployment, by id and by pool, following the view.
+
+    `on_change(pool)` is called after a delta that may have made room in the
+    pool (fresh load, a worker back): the ingress dispatches its wait queue.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        workers: Mapping[str, Sequence[tuple[str, Any]]],
+        router: Router,
+        on_change: Callable[[str], None],
+        metrics: IngressMetrics | None = None,
+    ) -> None:
+        self._router = router
+        self._on_change = on_change
+        self._metrics = metrics
+        self._slots: dict[str, WorkerSlot] = {}
+        self._pools: dict[str, list[WorkerSlot]] = {}
+        for pool in config.pools:
+            self._pools[pool.name] = []
+            for worker_id, handle in workers.get(pool.name, ()):
+                slot = WorkerSlot(worker_id, pool.name, handle)
+                self._slots[worker_id] = slot
+                self._pools[pool.name].append(slot)
+                router.add_worker(worker_id, pool.name, block_size=pool.block_size)
+                # Out of routing until the scheduler's view has it (it may still be loading).
+                router.set_alive(worker_id, False)
+        # Per pool, (time, pool-wide preemptions so far) samples of the last minute.
+        self._preemption_samples: dict[str, deque[tuple[float, int]]] = {
+            pool.name: deque() for pool in config.pools
+        }
+
+    def __getitem__(self, worker_id: str) -> WorkerSlot:
+        return self._slots[worker_id]
+
+    def pool(self, name: str) -> list[WorkerSlot]:
+        """The slots of a pool, in configuration order."""
+        return self._pools[name]
+
+    def all(self) -> list[WorkerSlot]:
+        return list(self._slots.values())
+
+    def mark_dead(self, slot: WorkerSlot) -> None:
+        """Out of routing now, and its streams move (a failed call showed it gone)."""
+        slot.alive = False
+        slot.left.set()
+        self._router.set_alive(slot.worker_id, False)
+        if self._metrics is not None:
+            self._metrics.mark_dead(slot.pool, slot.worker_id)
+
+    def apply(self, delta: WorkerDelta) -> None:
+        """One worker's new state from the scheduler (the router already has it)."""
+        slot = self._slots.get(delta.info.worker_id)
+        if slot is None:
+            return  # a worker this deployment does not route to (another app's pool)
+        if delta.gone:
+            self.mark_dead(slot)
+            return
+        slot.node_id = delta.info.node_id or slot.node_id
+        if delta.report is not None and delta.report.supersedes(slot.report):
+            slot.report = delta.report
+            self._sample_preemptions(slot.pool)
+            if self._metrics is not None:
+                self._metrics.observe_report(delta.report)
+        if self._metrics is not None:
+            self._metrics.index_drift.labels(slot.pool, slot.worker_id).set(delta.drift_blocks)
+        if delta.alive and not slot.alive:
+            slot.alive = True
+            slot.left = asyncio.Event()
+        elif not delta.alive and slot.alive:
+            logger.warning(
+                "worker %s out of routing (%s)",
+                slot.worker_id, "hung: work but no progress" if delta.stalled else "no report in time",
+            )
+            # No new requests go there. Its streams stay unless it is hung: a late
+            # report alone may be a slow scheduler or a busy machine, and a dead
+            # worker's streams fail over by themselves.
+            slot.alive = False
+            if self._metrics is not None:
+                self._metrics.mark_dead(slot.pool, slot.worker_id)
+        if delta.stalled and not slot.left.is_set():
+            slot.left.set()  # hung: its streams move now (see `Ingress._stream`)
+        # Fresh load or a worker back: route waiting requests it has room for.
+        self._on_change(slot.pool)
+
+    def _sample_preemptions(self, pool: str) -> None:
+        now = time.monotonic()
+        total = sum(
+            sum(s.report.preemptions.values()) for s in self._pools[pool] if s.report is not None
+        )
+        samples = self._preemption_samples[pool]
+        samples.append((now, total))
+        while len(samples) > 1 and now - samples[1][0] >= 60.0:
+            samples.popleft()
+
+    def preemptions_per_minute(self) -> dict[str, float]:
+        """Preemptions per pool over the last minute (counting from the oldest sample
+        in that minute; a restarted worker's counters starting over count as 0)."""
+        out: dict[str, float] = {}
+        for pool, samples in self._preemption_samples.items():
+            if len(samples) < 2:
+                out[pool] = 0.0
+                continue
+            (t0, first), (t1, last) = samples[0], samples[-1]
+            out[pool] = max(0, last - first) * 60.0 / max(t1 - t0, 60.0)
+        return out
+
+    def live_workers(self) -> dict[str, int]:
+        """Live workers per pool: the health rule (healthy while none is 0) of both fronts."""
+        return {name: sum(slot.alive for slot in slots) for name, slots in self._pools.items()}
+
+    def worker_reports(self) -> dict[str, LoadReport | None]:
+        """Each worker's latest load report by worker id (None before its first one)."""
+        return {slot.worker_id: slot.report for slot in self._slots.values()}
+
+    def pool_status(self, cfg: PoolConfig) -> dict[str, Any]:
+        """A pool's counters summed over its live workers, with one entry per worker."""
+        slots = self._pools[cfg.name]
+        workers = [worker_status(slot) for slot in slots]
+        live = [w for w in workers if w["alive"]]
+        query = sum(s.report.prefix_query_tokens for s in slots if s.report)
+        hits = sum(s.report.prefix_hit_tokens for s in slots if s.report)
+        entry: dict[str, Any] = {
+            "name": cfg.name,
+            "model": str(cfg.model),
+            "live_workers": len(live),
+            "hit_rate": hits / query if query else 0.0,
+            "workers": workers,
+        }
+        for key in BLOCK_FIELDS:
+            entry[key] = sum(w[key] for w in live)
+        return entry
+
+
+def worker_status(slot: WorkerSlot) -> dict[str, Any]:
+    """One worker's row of GetStatus."""
+    r = slot.report
+    entry: dict[str, Any] = {
+        "worker_id": slot.worker_id,
+        "pool": slot.pool,
+        "alive": slot.alive,
+        "requests_routed": slot.requests_routed,
+        "node_id": slot.node_id,
+        "prefix_query_tokens": r.prefix_query_tokens if r else 0,
+        "prefix_hit_tokens": r.prefix_hit_tokens if r else 0,
+        "hit_rate": r.hit_rate if r else 0.0,
+    }
+    for key in BLOCK_FIELDS:
+        entry[key] = int(getattr(r, key)) if r else 0
+    return entry
