@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import collections
 import random
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.worker import progress
 
 POOL = "soak"
 KEYS = {"a": "soak-key-a", "b": "soak-key-b"}
@@ -176,7 +176,10 @@ async def run_phase(
     next_index = 0
     half_done = asyncio.Event()
 
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with (
+        grpc.aio.insecure_channel(target) as channel,
+        progress.bar(desc=prefix, total=count, unit="req") as done,
+    ):
         stub = pb_grpc.GenerationStub(channel)
 
         async def client(worker: int) -> None:
@@ -189,8 +192,7 @@ async def run_phase(
                     half_done.set()
                 outcome = await one_request(stub, local, kinds[i], f"{prefix}-{i}", opts.timeout_s)
                 tally.outcomes.append(outcome)
-                if len(tally.outcomes) % max(1, count // 10) == 0:
-                    print(f"{prefix}: {len(tally.outcomes)}/{count} done", file=sys.stderr, flush=True)
+                done.update(1)
 
         async def fault() -> None:
             await half_done.wait()

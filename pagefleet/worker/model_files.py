@@ -28,11 +28,12 @@ import importlib.util
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagefleet.worker import progress
 from pagefleet.worker.tiny_model import default_cache_root
 
 TINY = "tiny"
@@ -188,7 +189,8 @@ def ensure_gguf_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            convert_gguf(gguf, staging)
+            with progress.phases(f"converting {gguf.name}", CONVERSION_PHASES) as phase:
+                convert_gguf(gguf, staging, phase)
             (staging / "pagefleet_source.json").write_text(
                 json.dumps({"gguf": gguf.name, "sha256": sha256}, indent=2) + "\n"
             )
@@ -200,13 +202,18 @@ def ensure_gguf_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
+# What `convert_gguf` does, in order: the steps of its progress bar.
+CONVERSION_PHASES = ("read and dequantize", "rebuild", "save weights", "save tokenizer")
+
+
+def convert_gguf(gguf: Path, out_dir: Path, phase: Callable[[str], None] = lambda _: None) -> None:
     """Dequantize `gguf` (float32) and save model, tokenizer and generation config to `out_dir`.
 
     transformers reads a GGUF (needs the `gguf` and `accelerate` packages) but
     refuses to `save_pretrained` the result ("quantized with gguf"), although
     its weights are plain float32 by then: the model is rebuilt from the same
     config without `quantization_config` and given the loaded state dict.
+    `phase(name)` is called as each of `CONVERSION_PHASES` starts.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -214,12 +221,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     hf_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+    phase(CONVERSION_PHASES[0])
     try:
         config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     except (ValueError, KeyError, OSError) as exc:  # e.g. an architecture transformers can't read
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{gguf}: cannot read this GGUF: {first}") from exc
+    phase(CONVERSION_PHASES[1])
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     # GGUF configs carry no `architectures`; name the class transformers chose.
@@ -228,7 +237,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    phase(CONVERSION_PHASES[2])
     model.save_pretrained(out_dir)
+    phase(CONVERSION_PHASES[3])
     AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out_dir)
 
 
