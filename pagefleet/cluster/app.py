@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
 from pagefleet.cluster.config import ClusterConfig, PoolConfig
 from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.grpc_server import start_grpc_server
@@ -64,6 +65,7 @@ class IngressDeployment:
         http_port: int | None = None,
     ) -> None:
         self.metrics = IngressMetrics()
+        self._drain_timeout_s = config.server.drain_timeout_s
         self.ingress = Ingress(config, workers, scheduler=scheduler, metrics=self.metrics)
         self.ingress.start()
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
@@ -125,11 +127,16 @@ class IngressDeployment:
         if self.http is not None and not self.http.running:
             raise RuntimeError("OpenAI HTTP server stopped")
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling signal: this replica's streams (`autoscaling.StreamsPolicy`)."""
+        return {STREAMS_METRIC: float(self.drain.in_flight)}
+
     async def __del__(self) -> None:
-        if self.http is not None:
-            await self.http.stop(timeout_s=1.0)
+        # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
+        # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
+        if not self.drain.draining:
+            await self.drain_and_stop(self._drain_timeout_s)
         await self.ingress.close()
-        await self.server.stop(grace=1.0)
 
 
 @dataclass
@@ -234,10 +241,10 @@ def start_cluster(
     scheduler = _start_scheduler(config, namespace)
     workers = _start_workers(config, namespace)
     serve.start(http_options={"location": "NoServer"})
-    replicas = config.server.ingress_replicas
+    replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
     deployment = serve.deployment(
         name=INGRESS_NAME,
-        num_replicas=replicas,
+        **ingress_options(config),
         # On the head node: the address clients dial is the cluster's entry point,
         # and losing a worker node must never take the ingress with it.
         ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
@@ -281,6 +288,19 @@ def start_cluster(
         started_ray=started_ray,
         ingress=handle,
         http_port=ports["http_port"],
+    )
+
+
+def ingress_options(config: ClusterConfig) -> dict[str, Any]:
+    """Replica count (fixed or autoscaled on streams) and shutdown budget of the ingress."""
+    server = config.server
+    return ingress_replica_options(
+        server.ingress_replicas,
+        server.ingress_max_replicas,
+        server.ingress_target_streams,
+        server.ingress_upscale_delay_s,
+        server.ingress_downscale_delay_s,
+        server.drain_timeout_s,
     )
 
 

@@ -263,7 +263,12 @@ class ServerConfig:
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
 
     `ingress_replicas` Serve replicas of the ingress share these ports
-    (SO_REUSEPORT).
+    (SO_REUSEPORT). With `ingress_max_replicas` above it, Serve autoscales
+    the ingress between the two on its open streams: about
+    `ingress_target_streams` per replica, scaling up after
+    `ingress_upscale_delay_s` and down after `ingress_downscale_delay_s`
+    above or below target; a replica that goes drains first
+    (`drain_timeout_s`).
     """
 
     host: str = "0.0.0.0"
@@ -279,9 +284,21 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     ingress_replicas: int = 1
+    ingress_max_replicas: int | None = None
+    ingress_target_streams: int = 64
+    ingress_upscale_delay_s: float = 10.0
+    ingress_downscale_delay_s: float = 300.0
 
     def __post_init__(self) -> None:
         _at_least("ingress_replicas", self.ingress_replicas, 1)
+        if self.ingress_max_replicas is not None and self.ingress_max_replicas < self.ingress_replicas:
+            _fail(
+                "ingress_max_replicas",
+                f"must be >= ingress_replicas ({self.ingress_replicas}), got {self.ingress_max_replicas}",
+            )
+        _at_least("ingress_target_streams", self.ingress_target_streams, 1)
+        _at_least("ingress_upscale_delay_s", self.ingress_upscale_delay_s, 0)
+        _at_least("ingress_downscale_delay_s", self.ingress_downscale_delay_s, 0)
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:

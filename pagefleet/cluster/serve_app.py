@@ -42,6 +42,7 @@ from pagefleet.cluster.app import (
     IngressDeployment,
     _start_scheduler,
     _start_workers,
+    ingress_options,
 )
 from pagefleet.cluster.config import ClusterConfig, ConfigError
 
@@ -155,8 +156,9 @@ def build_application(args: Mapping[str, Any]) -> Application:
     )(WorkerOwner)
     ingress = serve.deployment(
         name=INGRESS_NAME,
-        # Replicas on one node share the config's ports (SO_REUSEPORT).
-        num_replicas=parsed.config.server.ingress_replicas,
+        # Replicas on one node share the config's ports (SO_REUSEPORT); a fixed count
+        # or autoscaled on their streams (`server.ingress_max_replicas`).
+        **ingress_options(parsed.config),
         ray_actor_options=on_ingress_node,
         logging_config=quiet,
         # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.
