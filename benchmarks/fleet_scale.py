@@ -243,6 +243,7 @@ def sharded_table(args: argparse.Namespace, counts: list[int]) -> None:
     for _ in range(args.reps):
         for c in configs:  # interleaved: 1, 2, 5, 10, 1, 2, ...
             c.measure()
+    gc.unfreeze()
     head = "| measure | " + " | ".join(f"{n} shard{'s' if n > 1 else ''}" for n in counts) + " |"
     print(head)
     print("|---" * (len(counts) + 1) + "|")
@@ -280,6 +281,7 @@ def hash_range_table(args: argparse.Namespace, counts: list[int]) -> None:
     for _ in range(args.reps):
         for k in counts:
             rows[k].append(_range_absorb(fleets[k], setups[k], k, args))
+    gc.unfreeze()
     produced = workers / args.interval
     base = statistics.median(rows[counts[0]])
     print(f"one pool of {workers} workers, {args.events} events per push")
