@@ -33,6 +33,10 @@ shows medians.
 the hash's range; the load report is decoded by the pool's owner, range 0,
 only) and reports what each instance absorbs.
 
+`--ray-pushes 3000` sends one pool's pushes through a real `SchedulerActor`
+on a local Ray and reads the actor process's CPU time, against
+`ClusterState.push` in this process: what Ray's per-call cost adds.
+
     python benchmarks/fleet_scale.py --workers 1000 --pools 10 --shards 1,2,5,10 --hash-ranges 1,2,4
 """
 
@@ -336,6 +340,64 @@ def _range_absorb(
     return min(rates)
 
 
+def ray_actor_table(args: argparse.Namespace) -> None:
+    """One pool's pushes through a real `SchedulerActor` on a local Ray, against `ClusterState` in process.
+
+    The actor's cost is read from its process: CPU seconds of all its threads,
+    and of its busiest thread (the one that bounds it). Pushes go out 100 at
+    a time, one per worker, as a fleet's pushes arrive.
+    """
+    import psutil
+    import ray
+
+    from pagefleet.scheduler.actor import start_scheduler
+
+    workers = args.workers // args.pools
+    rounds = max(1, args.ray_pushes // workers)
+    ray.init(num_cpus=2, include_dashboard=False, namespace=f"fleet-scale-{os.getpid()}")
+    try:
+        actor = start_scheduler(namespace=f"fleet-scale-{os.getpid()}", report_timeout_s=1e9,
+                                stall_timeout_s=1e9, index_check_interval_s=1e9)  # fmt: skip
+        fleet, peer_fleet = Fleet(workers, 1, args.cached), Fleet(workers, 1, args.cached)
+        for wid, pool in fleet.workers:
+            ray.get(actor.register_worker.remote(WorkerInfo(wid, pool, 4096, BLOCK_SIZE)))
+            ray.get(actor.push.remote(wid, fleet.report(wid, pool), fleet.snapshot(wid)))
+        peer = build_state(peer_fleet)
+        procs = psutil.Process(os.getpid()).children(recursive=True)
+        proc = next(q for q in procs if any("SchedulerActor" in part for part in q.cmdline()))
+        samples: dict[str, list[float]] = {"peer": [], "all": [], "busiest": [], "wall": []}
+        for _ in range(args.reps):  # interleaved: actor, in process, actor, ...
+            messages = [(wid, fleet.report(wid, pool), fleet.churn(wid, pool, args.events))
+                        for _ in range(rounds) for wid, pool in fleet.workers]  # fmt: skip
+            before = {t.id: t.user_time + t.system_time for t in proc.threads()}
+            start = time.perf_counter()
+            for i in range(0, len(messages), workers):
+                ray.get([actor.push.remote(*m) for m in messages[i : i + workers]])
+            wall = time.perf_counter() - start
+            spent = {t.id: t.user_time + t.system_time - before.get(t.id, 0.0) for t in proc.threads()}
+            samples["wall"].append(len(messages) / wall)
+            samples["all"].append(len(messages) / sum(spent.values()))
+            samples["busiest"].append(len(messages) / max(spent.values()))
+            local = [(peer_fleet.report(wid, pool), peer_fleet.churn(wid, pool, args.events))
+                     for _ in range(rounds) for wid, pool in peer_fleet.workers]  # fmt: skip
+
+            def absorb(local: list[tuple[bytes, bytes]] = local) -> None:
+                for report, batch in local:
+                    peer.push(LoadReport.decode(report), KVEventBatch.decode(batch))
+
+            samples["peer"].append(len(local) / _timed(absorb))
+    finally:
+        ray.shutdown()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"one pool of {workers} workers through a real SchedulerActor ({rounds * workers} pushes per repetition)")
+    print("| measure | pushes per second | vs in process |")
+    print("|---|---|---|")
+    print(f"| `ClusterState.push` in process, CPU | {med['peer']:,.0f} | 1.00x |")
+    print(f"| actor, per CPU second of its busiest thread | {med['busiest']:,.0f} | {med['busiest'] / med['peer']:.2f}x |")
+    print(f"| actor, per CPU second of all its threads | {med['all']:,.0f} | {med['all'] / med['peer']:.2f}x |")
+    print(f"| actor, per wall second (this machine) | {med['wall']:,.0f} | {med['wall'] / med['peer']:.2f}x |")
+
+
 def _counts(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -352,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", default="1", help="scheduler shard counts, e.g. 1,2,5,10")
     parser.add_argument("--hash-ranges", default="", help="hash ranges of one pool's index, e.g. 1,2,4")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians shown)")
+    parser.add_argument("--ray-pushes", type=int, default=0,
+                        help="also push this many through a real scheduler actor on a local Ray")  # fmt: skip
     args = parser.parse_args(argv)
 
     print(f"fleet: {args.workers} workers, {args.pools} pools, {args.cached} cached hashes each, "
@@ -367,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hash_ranges:
         print()
         hash_range_table(args, _counts(args.hash_ranges))
+    if args.ray_pushes:
+        print()
+        ray_actor_table(args)
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 
