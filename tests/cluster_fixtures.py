@@ -22,9 +22,15 @@ MAX_MODEL_LEN = 160
 
 
 def small_cluster_config(
-    *, workers: int = 2, policy: str = "prefix_affinity", extra_pools: int = 0, wait_queue: int = 2
+    *,
+    workers: int = 2,
+    policy: str = "prefix_affinity",
+    extra_pools: int = 0,
+    wait_queue: int = 2,
+    scheduler_shards: int = 1,
 ) -> ClusterConfig:
-    """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>")."""
+    """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>"),
+    their view kept by `scheduler_shards` scheduler actors."""
     pool = {
         "model": "tiny",
         "block_size": BLOCK_SIZE,
@@ -44,6 +50,7 @@ def small_cluster_config(
                 "report_interval_s": 0.2,
                 "report_timeout_s": 2.0,
                 "wait_queue_size": wait_queue,
+                "shards": scheduler_shards,
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }

@@ -55,6 +55,8 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(router={"w_load": -1}), "router.w_load: must be >= 0, got -1"),
         (config(scheduler={"wait_queue_size": -5}), "scheduler.wait_queue_size: must be >= 0, got -5"),
         (config(scheduler={"report_interval_s": 2.0, "report_timeout_s": 1.0}), "scheduler.report_timeout_s: must be > report_interval_s"),
+        (config(scheduler={"shards": 0}), "scheduler.shards: must be >= 1, got 0"),
+        (config(scheduler={"shards": 2}), "scheduler.shards: must be <= the number of pools (1)"),
         (config(server={"grpc_port": 70000}), "server.grpc_port: must be in [0, 65535], got 70000"),
         (config(server={"max_body_bytes": 100}), "server.max_body_bytes: must be in [1024, 2**31), got 100"),
         (config(server={"max_message_bytes": "3GiB"}), "server.max_message_bytes: must be in [1024, 2**31)"),
@@ -203,3 +205,28 @@ def test_scheduler_preemption_mode_is_a_pool_setting_not_a_scheduler_one() -> No
         ClusterConfig.from_dict(
             {"pools": [{"name": "default"}], "scheduler": {"preemption_mode": "swap"}}
         )
+
+
+def test_one_scheduler_shard_owns_every_pool_by_default() -> None:
+    cfg = ClusterConfig.from_dict({"pools": [{"name": "a"}, {"name": "b"}, {"name": "c"}]})
+    assert cfg.scheduler.shards == 1
+    assert cfg.scheduler_shards() == {"a": 0, "b": 0, "c": 0}
+
+
+def test_scheduler_shards_own_whole_pools_balanced_by_workers() -> None:
+    pools = [{"name": "a", "workers": 4}, {"name": "b", "workers": 1},
+             {"name": "c", "workers": 1}, {"name": "d", "workers": 2}]  # fmt: skip
+    cfg = ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}})
+    owners = cfg.scheduler_shards()
+    # The largest pool first, each to the lightest shard: a | d, b, c; 4 workers each.
+    assert owners == {"a": 0, "b": 1, "c": 1, "d": 1}
+    assert list(owners) == ["a", "b", "c", "d"]  # config order
+    assert ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}}).scheduler_shards() == owners
+
+
+def test_every_scheduler_shard_owns_a_pool_and_ties_go_to_the_lower_shard() -> None:
+    pools = [{"name": f"p{i}", "workers": 3} for i in range(5)]
+    cfg = ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 5}})
+    assert cfg.scheduler_shards() == {f"p{i}": i for i in range(5)}
+    two = ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}}).scheduler_shards()
+    assert two == {"p0": 0, "p1": 1, "p2": 0, "p3": 1, "p4": 0}

@@ -1,13 +1,15 @@
 """The cluster end to end: a local Ray, CPU workers on the tiny model, a real gRPC channel.
 
 One cluster for the whole module: pool "default" (2 workers) and pool "spare0"
-(1 worker, used by the tests that fill or break a pool). Tests that kill
-workers run last.
+(1 worker, used by the tests that fill or break a pool), each owned by its own
+scheduler shard (`scheduler.shards: 2`: default on shard 0, spare0 on shard 1).
+Tests that kill workers run last.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -47,7 +49,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(small_cluster_config(extra_pools=1), grpc_port=0)
+    running = start_cluster(small_cluster_config(extra_pools=1, scheduler_shards=2), grpc_port=0)
     try:
         yield running
     finally:
@@ -62,6 +64,11 @@ def target(cluster: RunningCluster) -> str:
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return offline_tiny()
+
+
+def _hit_tokens(target: str, worker_id: str) -> int:
+    """The worker's prefix hits as the ingress's view has them (its reports arrive through it)."""
+    return next(w.prefix_hit_tokens for p in status(target).pools for w in p.workers if w.worker_id == worker_id)
 
 
 def _live_workers(target: str) -> list[str]:
@@ -88,6 +95,32 @@ def _set_policy(cluster: RunningCluster, policy: str) -> None:
 
 
 # ----- correctness --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pool", "shard"), [("default", 0), ("spare0", 1)])
+def test_each_pool_is_served_through_the_scheduler_shard_that_owns_it(
+    cluster: RunningCluster, target: str, pool: str, shard: int
+) -> None:
+    _set_policy(cluster, "prefix_affinity")
+    assert cluster.config.scheduler_shards() == {"default": 0, "spare0": 1}
+    owner, other = cluster.schedulers[shard], cluster.schedulers[1 - shard]
+    members = sorted(wid for wid, _ in cluster.workers[pool])
+    assert sorted(w.worker_id for w in ray.get(owner.get_view.remote(), timeout=30).workers) == members
+    assert not {w.worker_id for w in ray.get(other.get_view.remote(), timeout=30).workers} & set(members)
+    indexed = {w: len(ray.get(owner.cached_hashes.remote(w), timeout=30)) for w in members}
+    prefix = LONG_PREFIX.format(f"shard {shard}")
+    first = generate(target, f"{prefix} question 0?", pool=pool, max_tokens=2)[-1]
+    worker, before = first.worker_id, _hit_tokens(target, first.worker_id)
+    assert worker in members and first.usage.cached_tokens == 0
+    wait_for(
+        lambda: len(ray.get(owner.cached_hashes.remote(worker), timeout=30)) >= indexed[worker] + 2,
+        30, f"the prompt's blocks in shard {shard}'s index",
+    )  # fmt: skip
+    # Past the router's own speculative entry: only the shard's view can send it back.
+    time.sleep(cluster.config.router.speculative_ttl_s + 1.0)
+    second = generate(target, f"{prefix} question 1?", pool=pool, max_tokens=2)[-1]
+    assert second.worker_id == worker and second.usage.cached_tokens >= 8
+    wait_for(lambda: _hit_tokens(target, worker) >= before + 8, 30, f"{pool}'s hit in the ingress's view")
 
 
 def test_grpc_streams_equal_offline_generate(target: str, offline: LLM) -> None:
@@ -454,17 +487,33 @@ def test_metrics_endpoint_exports_pool_gauges_and_latency_histograms(
 # ----- faults (run last: they restart actors) ---------------------------------
 
 
-def test_scheduler_death_does_not_stop_serving_and_workers_reregister(
+def test_killing_one_scheduler_shard_leaves_both_pools_serving_and_its_view_rebuilds(
     cluster: RunningCluster, target: str
 ) -> None:
-    ray.kill(cluster.scheduler, no_restart=False)
-    assert generate(target, "serve without a scheduler", max_tokens=4)[-1].finish_reason
-    wait_for(
-        lambda: len(ray.get(cluster.scheduler.get_view.remote(), timeout=10).workers) == 3,
-        60,
-        "all three workers registered with the restarted scheduler",
-        interval_s=0.5,
-    )
+    shard0, shard1 = cluster.schedulers
+    kept = ray.get(shard0.generation.remote(), timeout=30)
+    killed = ray.get(shard1.generation.remote(), timeout=30)
+    ray.kill(shard1, no_restart=False)
+    for pool in ("default", "spare0"):
+        assert generate(target, f"serve {pool} without its shard", pool=pool, max_tokens=4)[-1].finish_reason
+
+    def rebuilt() -> bool:
+        if ray.get(shard1.generation.remote(), timeout=10) == killed:
+            return False
+        view = ray.get(shard1.get_view.remote(), timeout=10)
+        stats = ray.get(shard1.index_stats.remote(), timeout=10)
+        return [w.worker_id for w in view.workers if w.alive] == ["spare0-0"] and stats["snapshots"] >= 1
+    wait_for(rebuilt, 60, "spare0-0 re-registered with the restarted shard 1, with a snapshot", 0.5)
+    # The other shard never noticed: same incarnation, same workers.
+    assert ray.get(shard0.generation.remote(), timeout=30) == kept
+    assert sorted(w.worker_id for w in ray.get(shard0.get_view.remote(), timeout=30).workers) == ["default-0", "default-1"]
+    # The ingress follows the new incarnation: spare0's fresh hits reach GetStatus through it.
+    before = _hit_tokens(target, "spare0-0")
+    prefix = LONG_PREFIX.format("after the restart")
+    for j in range(2):
+        generate(target, f"{prefix} question {j}?", pool="spare0", max_tokens=2)
+    wait_for(lambda: _hit_tokens(target, "spare0-0") >= before + 8, 30, "spare0's new hits in the ingress's view")
+    assert generate(target, "default after the rebuild", max_tokens=3)[-1].finish_reason == "length"
 
 
 def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(

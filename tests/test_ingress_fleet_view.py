@@ -1,13 +1,19 @@
-"""The ingress fed by the scheduler's view (no Ray): liveness, hung workers, preemption rate."""
+"""The ingress fed by the scheduler's view (no Ray): liveness, hung workers, preemption rate,
+and the view merged from several scheduler shards."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.router import Router
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
+from pagefleet.worker.prefix_hash import hash_token_blocks
 
 
 def _ingress() -> Ingress:
@@ -63,3 +69,64 @@ def test_preemptions_per_minute_come_from_the_reports() -> None:
         assert ingress.preemptions_per_minute() == {"a": 5.0}
 
     asyncio.run(scenario())
+
+
+# ----- a view merged from scheduler shards ----------------------------------------
+
+PROMPT = list(range(100, 100 + 4 * 16))  # 4 full blocks
+
+
+def _held(worker_id: str, pool: str, *hashes: bytes, reset: bool = False) -> WorkerDelta:
+    return WorkerDelta(WorkerInfo(worker_id, pool, 64), True, None, hashes, reset=reset)
+
+
+def _two_shard_view() -> tuple[FleetView, list[bytes]]:
+    """Pool a on shard 0 (worker a0), pool b on shard 1 (worker b0), each holding PROMPT."""
+    hashes = hash_token_blocks(PROMPT, 16)
+    view = FleetView(Router(seed=0), lambda _d: None, shards=2)
+    view.apply(ViewUpdate(10, 1, True, (_held("a0", "a", *hashes, reset=True),)), shard=0)
+    view.apply(ViewUpdate(20, 1, True, (_held("b0", "b", *hashes, reset=True),)), shard=1)
+    return view, hashes
+
+
+def test_each_shard_has_its_own_cursor() -> None:
+    view, _ = _two_shard_view()
+    view.apply(ViewUpdate(20, 5, False, (_held("b0", "b"),)), shard=1)
+    assert view.cursor(0) == (10, 1) and view.cursor(1) == (20, 5)
+    assert (view.generation, view.version) == (10, 1)  # shard 0's
+    with pytest.raises(ValueError, match=r"shard must be in \[0, 1\], got 2"):
+        view.apply(ViewUpdate(30, 1, True, ()), shard=2)
+
+
+def test_a_restarted_shard_rebuilds_only_its_own_workers_index() -> None:
+    view, hashes = _two_shard_view()
+    # Shard 1 restarts (new generation) and so far has b0's snapshot of two blocks.
+    view.apply(ViewUpdate(21, 1, True, (_held("b0", "b", *hashes[:2], reset=True),)), shard=1)
+    assert view.router.matched_blocks("b0", hashes) == 2
+    assert view.router.matched_blocks("a0", hashes) == 4  # shard 0's pool untouched
+    assert view.cursor(1) == (21, 1) and view.cursor(0) == (10, 1)
+
+
+def test_a_restarted_shard_that_does_not_know_a_worker_yet_clears_it_but_keeps_it_routable() -> None:
+    view, hashes = _two_shard_view()
+    view.apply(ViewUpdate(21, 0, True, ()), shard=1)  # restarted, nobody registered yet
+    assert view.router.matched_blocks("b0", hashes) == 0
+    assert view.router.workers("b", alive_only=True) == ["b0"]
+    assert view.router.matched_blocks("a0", hashes) == 4
+
+
+def test_one_shard_snapshot_still_clears_the_whole_index() -> None:
+    hashes = hash_token_blocks(PROMPT, 16)
+    view = FleetView(Router(seed=0), lambda _d: None)
+    view.apply(ViewUpdate(1, 2, False, (_held("a0", "a", *hashes), _held("b0", "b", *hashes))))
+    view.apply(ViewUpdate(2, 1, True, (_held("a0", "a", *hashes[:1], reset=True),)))
+    assert view.router.matched_blocks("a0", hashes) == 1
+    assert view.router.matched_blocks("b0", hashes) == 0
+
+
+def test_staleness_is_the_stalest_shards() -> None:
+    view = FleetView(Router(seed=0), lambda _d: None, shards=2)
+    view.apply(ViewUpdate(1, 0, True, ()), shard=0)
+    assert view.staleness_s() == float("inf")  # shard 1 never answered
+    view.apply(ViewUpdate(2, 0, True, ()), shard=1)
+    assert view.staleness_s() < 1.0

@@ -273,6 +273,22 @@ def test_stored_event_confirms_a_speculative_entry_past_its_expiry() -> None:
     assert router.matched_blocks("w0", hashes) == 8
 
 
+def test_clearing_some_workers_index_keeps_the_others_confirmed_and_speculative_entries() -> None:
+    clock = FakeClock()
+    router = Router(RouterConfig(speculative_ttl_s=2.0), seed=0, clock=clock)
+    router.add_worker("w0", "chat", block_size=BS)
+    router.add_worker("w1", "other", block_size=BS)
+    hashes = router.block_hashes("chat", prompt(SYSTEM_A))
+    store(router, "w0", hashes[:8])
+    router.apply_delta(WorkerDelta(WorkerInfo("w1", "other", 1000, BS), True, None, tuple(hashes[:4])))
+    router.route_hashes("other", hashes)  # w1 now holds all 10 speculatively
+    router.clear_index(["w0", "unknown"])
+    assert router.matched_blocks("w0", hashes) == 0
+    assert router.matched_blocks("w1", hashes) == 10
+    clock.now = 3.0  # w1's speculative entries expire as usual; its confirmed ones stay
+    assert router.matched_blocks("w1", hashes) == 4
+
+
 def test_routing_counts_as_load_until_the_next_report() -> None:
     router, _ = make_router(2, policy="least_loaded")
     load(router, "w0", 0, seq=1)

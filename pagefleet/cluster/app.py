@@ -2,7 +2,9 @@
 
 What runs where (one Ray cluster):
 
-- `pagefleet-scheduler`: the central scheduler actor (restartable, no CPU).
+- `pagefleet-scheduler`: the central scheduler actor (restartable, no CPU);
+  with `scheduler.shards: N` also `pagefleet-scheduler-1` ... `-<N-1>`, each
+  owning whole pools (`ClusterConfig.scheduler_shards`).
 - `pagefleet-worker-<pool>-<i>`: one `WorkerActor` per GPU (CPU workers on a
   machine without one), restartable, spread over the nodes.
 - `pagefleet-ingress`: a Ray Serve deployment (`server.ingress_replicas`
@@ -10,7 +12,7 @@ What runs where (one Ray cluster):
   every replica runs
   our own `grpc.aio` server (Generation + health + reflection), the OpenAI
   HTTP server (uvicorn) and the Prometheus endpoint, follows the scheduler's
-  view (versioned deltas) and routes to the worker actors directly with its
+  view (versioned deltas; every shard's, merged) and routes to the worker actors directly with its
   local `Router`.
 
 `start_cluster` creates all of it and returns a `RunningCluster` that knows the
@@ -61,12 +63,13 @@ class IngressDeployment:
         workers: dict[str, list[tuple[str, Any]]],
         grpc_port: int,
         metrics_port: int | None,
-        scheduler: Any,
+        schedulers: tuple[Any, ...],
         http_port: int | None = None,
     ) -> None:
         self.metrics = IngressMetrics()
         self._drain_timeout_s = config.server.drain_timeout_s
-        self.ingress = Ingress(config, workers, scheduler=scheduler, metrics=self.metrics)
+        # The shards' handles: the ingress's fleet view follows each and merges them.
+        self.ingress = Ingress(config, workers, scheduler=schedulers, metrics=self.metrics)
         self.ingress.start()
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
@@ -147,7 +150,7 @@ class RunningCluster:
     grpc_port: int
     metrics_port: int | None
     workers: dict[str, list[tuple[str, Any]]]
-    scheduler: Any
+    schedulers: tuple[Any, ...]  # one handle per scheduler shard (one by default)
     host: str = "127.0.0.1"
     started_ray: bool = False
     ingress: Any = field(default=None, repr=False)
@@ -162,6 +165,15 @@ class RunningCluster:
     def http_url(self) -> str | None:
         """Base URL of the OpenAI HTTP API (`.../v1/completions`), None when disabled."""
         return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
+
+    @property
+    def scheduler(self) -> Any:
+        """Scheduler shard 0's handle: the only scheduler unless `scheduler.shards` > 1."""
+        return self.schedulers[0]
+
+    def scheduler_of(self, pool: str) -> Any:
+        """The handle of the scheduler shard that owns `pool`."""
+        return self.schedulers[self.config.scheduler_shards()[pool]]
 
     def worker_handle(self, worker_id: str) -> Any:
         for pool_workers in self.workers.values():
@@ -192,8 +204,8 @@ class RunningCluster:
         for pool_workers in self.workers.values():
             for _, handle in pool_workers:
                 ray.kill(handle, no_restart=True)
-        if self.scheduler is not None:
-            ray.kill(self.scheduler, no_restart=True)
+        for scheduler in self.schedulers:
+            ray.kill(scheduler, no_restart=True)
         if self.started_ray:
             ray.shutdown()
 
@@ -238,7 +250,7 @@ def start_cluster(
             ray.init(address=address, namespace=NAMESPACE)
         started_ray = True
     namespace = ray.get_runtime_context().namespace
-    scheduler = _start_scheduler(config, namespace)
+    schedulers = _start_schedulers(config, namespace)
     workers = _start_workers(config, namespace)
     serve.start(http_options={"location": "NoServer"})
     replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
@@ -270,7 +282,7 @@ def start_cluster(
             reserved.append(sock)
     try:
         handle = serve.run(
-            deployment.bind(config, workers, port, metrics_port, scheduler, http_port),
+            deployment.bind(config, workers, port, metrics_port, schedulers, http_port),
             name=APP_NAME,
             route_prefix=None,
         )
@@ -284,7 +296,7 @@ def start_cluster(
         grpc_port=ports["grpc_port"],
         metrics_port=ports["metrics_port"],
         workers=workers,
-        scheduler=scheduler,
+        schedulers=schedulers,
         started_ray=started_ray,
         ingress=handle,
         http_port=ports["http_port"],
@@ -304,16 +316,20 @@ def ingress_options(config: ClusterConfig) -> dict[str, Any]:
     )
 
 
-def _start_scheduler(config: ClusterConfig, namespace: str) -> Any:
-    """The central scheduler actor with the config's timeouts and eviction watermarks."""
+def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
+    """The scheduler actors (one per `scheduler.shards`) with the config's timeouts and watermarks."""
     from pagefleet.scheduler.actor import start_scheduler
 
-    return start_scheduler(
-        namespace=namespace,
-        report_timeout_s=config.scheduler.report_timeout_s,
-        eviction=config.scheduler.eviction_watermarks(),
-        stall_timeout_s=config.scheduler.stall_timeout_s,
-        index_check_interval_s=config.scheduler.index_check_interval_s,
+    return tuple(
+        start_scheduler(
+            namespace=namespace,
+            shard=shard,
+            report_timeout_s=config.scheduler.report_timeout_s,
+            eviction=config.scheduler.eviction_watermarks(),
+            stall_timeout_s=config.scheduler.stall_timeout_s,
+            index_check_interval_s=config.scheduler.index_check_interval_s,
+        )
+        for shard in range(config.scheduler.shards)
     )
 
 
@@ -335,10 +351,12 @@ def _reserve_port(host: str) -> tuple[int, socket.socket]:
 
 
 def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tuple[str, Any]]]:
+    from pagefleet.scheduler.actor import shard_actor_name
     from pagefleet.worker.actor import create_worker
     from pagefleet.worker.config import EngineConfig
 
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+    shards = config.scheduler_shards()
     workers: dict[str, list[tuple[str, Any]]] = {}
     for pool in config.pools:
         num_cpus, num_gpus = worker_resources(pool, cluster_gpus)
@@ -358,6 +376,7 @@ def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tupl
                 name=f"pagefleet-worker-{worker_id}",
                 namespace=namespace,
                 report_interval_s=config.scheduler.report_interval_s,
+                scheduler_name=shard_actor_name(shards[pool.name]),
                 torch_threads=max(1, int(num_cpus)) if not num_gpus else None,
                 scheduling_strategy="SPREAD",
             )

@@ -196,6 +196,11 @@ class SchedulerConfig:
     worker with room. Below `evict_low_watermark` free blocks (a fraction of a
     worker's pool) the scheduler asks the worker to evict cached blocks until
     `evict_high_watermark` are free; `evict_low_watermark: 0` turns that off.
+
+    `shards`: how many scheduler actors share the pools. Each pool belongs to
+    exactly one shard (`ClusterConfig.scheduler_shards`); its workers push
+    there and every ingress replica follows all shards. 1 (the default) is the
+    one central scheduler.
     """
 
     policy: str = "watermark"
@@ -208,9 +213,11 @@ class SchedulerConfig:
     stall_timeout_s: float = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: float = 10.0
+    shards: int = 1
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        _at_least("shards", self.shards, 1)
         if not self.stall_timeout_s > 0:
             _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
         if not self.index_check_interval_s > 0:
@@ -365,6 +372,28 @@ class ClusterConfig:
                 keys.add(tenant.api_key)
         if len(keyless) > 1:
             _fail("tenants", f"at most one tenant may have no API key, got {', '.join(keyless)}")
+        if self.scheduler.shards > len(self.pools):
+            _fail(
+                "scheduler.shards",
+                f"must be <= the number of pools ({len(self.pools)}): a shard owns whole pools, "
+                f"got {self.scheduler.shards}",
+            )
+
+    def scheduler_shards(self) -> dict[str, int]:
+        """Pool name -> the scheduler shard that owns it (0 for every pool with one shard).
+
+        Balanced by workers, since a shard's load is its workers' pushes: the
+        largest pool first (config order on ties) goes to the shard with the
+        fewest workers so far (the lowest index on ties). Deterministic, so the
+        workers and every ingress replica agree without asking anyone.
+        """
+        load = [0] * self.scheduler.shards
+        owner: dict[str, int] = {}
+        for pool in sorted(self.pools, key=lambda p: -p.workers):  # stable: config order on ties
+            shard = min(range(len(load)), key=lambda i: load[i])
+            owner[pool.name] = shard
+            load[shard] += pool.workers
+        return {pool.name: owner[pool.name] for pool in self.pools}
 
     # loading ---------------------------------------------------------------------------
 

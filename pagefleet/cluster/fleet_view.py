@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagefleet.cluster.router import Router
@@ -34,52 +34,116 @@ RETRY_S = 0.2
 
 
 class FleetView:
-    """Applies the scheduler's `ViewUpdate`s to a router and a per-worker callback."""
+    """Applies the scheduler shards' `ViewUpdate`s to a router and a per-worker callback.
+
+    One cursor per shard (`shards` of them; `follow` adds one per handle it
+    is given); `generation` and `version` are shard 0's, the only one unless
+    the scheduler is sharded.
+    """
 
     def __init__(
-        self, router: Router, on_delta: Callable[[WorkerDelta], None], replica_id: str = ""
+        self,
+        router: Router,
+        on_delta: Callable[[WorkerDelta], None],
+        replica_id: str = "",
+        *,
+        shards: int = 1,
     ) -> None:
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
         self.router = router
         self.replica_id = replica_id
         self._on_delta = on_delta
-        self.generation: int | None = None
-        self.version = 0
+        self._cursors: list[_Cursor] = [_Cursor() for _ in range(shards)]
         self.snapshots = 0
-        self.last_update_at: float | None = None  # monotonic time of the last answer
 
-    def apply(self, update: ViewUpdate) -> None:
-        """Apply one answer of `subscribe` and move the cursor past it."""
+    @property
+    def generation(self) -> int | None:
+        """Shard 0's generation the view follows (None before its first answer)."""
+        return self._cursors[0].generation
+
+    @property
+    def version(self) -> int:
+        """Shard 0's version the view has applied up to."""
+        return self._cursors[0].version
+
+    def cursor(self, shard: int = 0) -> tuple[int | None, int]:
+        """(generation, version) of a shard's view as applied here."""
+        c = self._cursor(shard)
+        return c.generation, c.version
+
+    def apply(self, update: ViewUpdate, shard: int = 0) -> None:
+        """Apply one answer of shard `shard`'s `subscribe` and move its cursor past it."""
+        cursor = self._cursor(shard)
         if update.snapshot:
-            self.router.clear_index()
+            if len(self._cursors) == 1:
+                self.router.clear_index()
+            else:
+                # Only this shard's workers: the ones it told us of, and the ones it tells now.
+                cursor.workers.update(d.info.worker_id for d in update.deltas)
+                self.router.clear_index(cursor.workers)
             self.snapshots += 1
         for delta in update.deltas:
+            if delta.gone:
+                cursor.workers.discard(delta.info.worker_id)
+            else:
+                cursor.workers.add(delta.info.worker_id)
             self.router.apply_delta(delta)
             self._on_delta(delta)
-        self.generation = update.generation
-        self.version = update.version
-        self.last_update_at = time.monotonic()
+        cursor.generation = update.generation
+        cursor.version = update.version
+        cursor.last_update_at = time.monotonic()
 
     def staleness_s(self) -> float:
-        """Seconds since the scheduler last answered (inf before the first answer)."""
-        if self.last_update_at is None:
+        """Seconds since the stalest shard last answered (inf before every shard's first answer)."""
+        if any(c.last_update_at is None for c in self._cursors):
             return float("inf")
-        return time.monotonic() - self.last_update_at
+        return time.monotonic() - min(c.last_update_at or 0.0 for c in self._cursors)
 
-    async def follow(self, scheduler: Any) -> None:
-        """Long-poll `scheduler` (an actor handle) forever, applying every answer."""
+    async def follow(self, schedulers: Any | Sequence[Any]) -> None:
+        """Long-poll the scheduler (an actor handle), or each shard of a sequence of
+        handles, forever, applying every answer."""
+        shards = list(schedulers) if isinstance(schedulers, Sequence) else [schedulers]
+        if not shards:
+            raise ValueError("follow needs at least one scheduler handle")
+        while len(self._cursors) < len(shards):
+            self._cursors.append(_Cursor())
+        await asyncio.gather(*(self._follow_shard(i, handle) for i, handle in enumerate(shards)))
+
+    async def _follow_shard(self, shard: int, scheduler: Any) -> None:
+        cursor = self._cursors[shard]
         while True:
             try:
                 update = await scheduler.subscribe.remote(
-                    self.generation, self.version, LONG_POLL_S, self.replica_id
+                    cursor.generation, cursor.version, LONG_POLL_S, self.replica_id
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # scheduler restarting or gone: keep the last view
-                logger.debug("fleet view: scheduler unreachable (%s); retrying", type(exc).__name__)
+                logger.debug(
+                    "fleet view: scheduler shard %d unreachable (%s); retrying", shard, type(exc).__name__
+                )
                 await asyncio.sleep(RETRY_S)
                 continue
             try:
-                self.apply(update)
+                self.apply(update, shard)
             except Exception:  # a bad update must not stop the subscription
                 logger.exception("fleet view: applying an update failed; asking for a snapshot")
-                self.generation = None
+                cursor.generation = None
+
+    def _cursor(self, shard: int) -> _Cursor:
+        if not 0 <= shard < len(self._cursors):
+            raise ValueError(f"shard must be in [0, {len(self._cursors) - 1}], got {shard}")
+        return self._cursors[shard]
+
+
+class _Cursor:
+    """Where the view stands with one scheduler shard."""
+
+    __slots__ = ("generation", "last_update_at", "version", "workers")
+
+    def __init__(self) -> None:
+        self.generation: int | None = None
+        self.version = 0
+        self.last_update_at: float | None = None  # monotonic time of the shard's last answer
+        self.workers: set[str] = set()  # the workers this shard's deltas described

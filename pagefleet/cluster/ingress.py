@@ -88,8 +88,9 @@ class Ingress:
     """Routes requests over the worker actors of each pool; see the module docstring.
 
     `workers` maps pool name to (worker_id, actor handle) pairs; `scheduler`
-    is the central scheduler's actor handle, whose view this replica follows
-    (None: nothing follows it, and `fleet.apply` feeds the view by hand).
+    is the central scheduler's actor handle, or the handles of its shards
+    (`scheduler.shards`), whose view this replica follows and merges (None:
+    nothing follows it, and `fleet.apply` feeds the view by hand).
     Call `start()` on the event loop that will serve requests, `close()` to
     stop following.
     """

@@ -177,7 +177,7 @@ class Router:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return
-        self._clear_index(worker)
+        self._clear_index([worker])
         self._pools[worker.pool].remove(worker_id)
         slot = worker.bit.bit_length() - 1
         del self._by_slot[slot]
@@ -249,14 +249,21 @@ class Router:
         for block_hash in delta.offload_removed:
             _clear_bit(offload, block_hash, bit)
 
-    def clear_index(self) -> None:
-        """Forget every indexed hash (before applying a snapshot); workers and loads stay."""
-        self._holders = {}
-        self._confirmed = {}
-        self._offload = {}
-        self._expiries.clear()
-        for worker in self._workers.values():
-            worker.speculative.clear()
+    def clear_index(self, worker_ids: Collection[str] | None = None) -> None:
+        """Forget every indexed hash (before applying a snapshot); workers and loads stay.
+
+        With `worker_ids`, forget only those workers' hashes (a scheduler
+        shard's snapshot: the other shards' workers keep theirs); O(index size).
+        """
+        if worker_ids is None:
+            self._holders = {}
+            self._confirmed = {}
+            self._offload = {}
+            self._expiries.clear()
+            for worker in self._workers.values():
+                worker.speculative.clear()
+            return
+        self._clear_index([self._workers[w] for w in worker_ids if w in self._workers])
 
     # queries --------------------------------------------------------------------------
 
@@ -471,13 +478,17 @@ class Router:
             if not self._confirmed.get(h, 0) & worker.bit:
                 _clear_bit(self._holders, h, worker.bit)
 
-    def _clear_index(self, worker: _Worker) -> None:
-        # O(index size); only on worker removal or restart.
-        bit = worker.bit
+    def _clear_index(self, workers: Sequence[_Worker]) -> None:
+        # O(index size) once for all of them; only on worker removal or a shard's snapshot.
+        bits = 0
+        for worker in workers:
+            bits |= worker.bit
+            worker.speculative.clear()  # their expiry entries no longer match and are skipped
+        if not bits:
+            return
         for index in (self._holders, self._confirmed, self._offload):
-            for h in [h for h, mask in index.items() if mask & bit]:
-                _clear_bit(index, h, bit)
-        worker.speculative.clear()
+            for h in [h for h, mask in index.items() if mask & bits]:
+                _clear_bit(index, h, bits)
 
 
 def _clear_bit(index: dict[bytes, int], block_hash: bytes, bit: int) -> None:

@@ -16,7 +16,7 @@ applications:
 It starts what `pagefleet serve` starts, with the ports of the config's
 `server` section, as two deployments of one application:
 
-- `pagefleet-workers` (one replica): starts the scheduler actor and the
+- `pagefleet-workers` (one replica): starts the scheduler actor(s) and the
   worker actors (the same helpers as `start_cluster`) and owns them, so
   `serve delete` / `serve shutdown` ends them with the application.
 - `pagefleet-ingress`: the same `IngressDeployment` as `pagefleet serve`
@@ -40,7 +40,7 @@ from pagefleet.cluster.app import (
     HEAD_NODE_RESOURCE,
     INGRESS_NAME,
     IngressDeployment,
-    _start_scheduler,
+    _start_schedulers,
     _start_workers,
     ingress_options,
 )
@@ -61,16 +61,16 @@ class WorkerOwner:
 
     def __init__(self, config: ClusterConfig) -> None:
         namespace = ray.get_runtime_context().namespace
-        self.scheduler = _start_scheduler(config, namespace)
+        self.schedulers = _start_schedulers(config, namespace)
         self.workers = _start_workers(config, namespace)
 
     def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
         """`{pool: [(worker_id, actor handle), ...]}`."""
         return self.workers
 
-    def get_scheduler(self) -> Any:
-        """The central scheduler's actor handle (the ingress follows its view)."""
-        return self.scheduler
+    def get_schedulers(self) -> tuple[Any, ...]:
+        """The scheduler shards' actor handles (the ingress follows their views)."""
+        return self.schedulers
 
 
 class ServeIngress(IngressDeployment):
@@ -84,13 +84,13 @@ class ServeIngress(IngressDeployment):
         ready_timeout_s: float,
     ) -> None:
         workers = await owner.get_workers.remote()
-        scheduler = await owner.get_scheduler.remote()
+        schedulers = await owner.get_schedulers.remote()
         await super().__init__(
             config,
             workers,
             config.server.grpc_port,
             metrics_port,
-            scheduler,
+            schedulers,
             http_port=config.server.http_port,
         )
         await self.wait_ready(ready_timeout_s)

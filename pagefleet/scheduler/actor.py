@@ -12,6 +12,11 @@ soon as a push is answered with an unknown-worker or new-generation ack, and
 send a snapshot of their cached hashes, which rebuilds the view within a
 push interval or two. Ingress replicas keep routing on their last view
 meanwhile, and switch to a snapshot of the new generation when it answers.
+
+With `scheduler.shards` > 1 several of these actors run, each the source of
+truth for the pools it owns (`ClusterConfig.scheduler_shards`): shard 0 is
+named `pagefleet-scheduler` like the only one, shard k `pagefleet-scheduler-k`.
+Nothing is shared between shards; each restarts and rebuilds on its own.
 """
 
 from __future__ import annotations
@@ -164,9 +169,17 @@ class SchedulerActor:
             await asyncio.sleep(TICK_INTERVAL_S)
 
 
+def shard_actor_name(shard: int) -> str:
+    """The named actor of a scheduler shard: shard 0 keeps the unsharded scheduler's name."""
+    if shard < 0:
+        raise ValueError(f"shard must be >= 0, got {shard}")
+    return SCHEDULER_NAME if shard == 0 else f"{SCHEDULER_NAME}-{shard}"
+
+
 def start_scheduler(
     *,
     namespace: str | None = None,
+    shard: int = 0,
     detached: bool = False,
     report_timeout_s: float = 3.0,
     max_restarts: int = -1,
@@ -183,10 +196,11 @@ def start_scheduler(
     asks workers to keep (`SchedulerConfig.eviction_watermarks()`; None: off).
     `stall_timeout_s`: a worker with work that streams nothing this long leaves
     routing. `index_check_interval_s`: how often each worker is asked for a
-    snapshot to measure index drift. An existing actor keeps the settings it was started with.
+    snapshot to measure index drift. `shard`: which scheduler shard (its actor
+    name, `shard_actor_name`). An existing actor keeps the settings it was started with.
     """
     options: dict[str, Any] = {
-        "name": SCHEDULER_NAME,
+        "name": shard_actor_name(shard),
         "get_if_exists": True,
         "max_restarts": max_restarts,
         "max_task_retries": -1 if max_restarts != 0 else 0,
@@ -201,9 +215,9 @@ def start_scheduler(
     )
 
 
-def get_scheduler(namespace: str | None = None) -> Any:
-    """The running scheduler's handle, or None if there is none."""
+def get_scheduler(namespace: str | None = None, shard: int = 0) -> Any:
+    """The running scheduler's (or scheduler shard's) handle, or None if there is none."""
     try:
-        return ray.get_actor(SCHEDULER_NAME, namespace=namespace)
+        return ray.get_actor(shard_actor_name(shard), namespace=namespace)
     except ValueError:
         return None

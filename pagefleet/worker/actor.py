@@ -8,7 +8,7 @@ one worker.
 
 Load reports and KV events leave the worker one way: every
 `report_interval_s` the worker pushes both (msgpack, `pagefleet.worker.events`)
-to the central scheduler, which holds the cluster's one view and fans it out
+to the central scheduler (the shard owning its pool, when it is sharded), which holds the cluster's one view and fans it out
 to the ingress replicas. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
 for (after a gap, or to measure drift), is a snapshot of every held hash.
@@ -52,6 +52,7 @@ class WorkerActor:
         *,
         report_interval_s: float = 0.5,
         scheduler_namespace: str | None = None,
+        scheduler_name: str = SCHEDULER_ACTOR_NAME,
         torch_threads: int | None = None,
     ) -> None:
         if torch_threads is not None:
@@ -66,6 +67,7 @@ class WorkerActor:
         self._block_size = engine_config.block_size
         self._report_interval_s = report_interval_s
         self._scheduler_namespace = scheduler_namespace
+        self._scheduler_name = scheduler_name  # the shard owning this worker's pool
         self._report_seq = 0
         self._kv_seq = 0
         self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
@@ -177,7 +179,7 @@ class WorkerActor:
         while True:
             try:
                 if scheduler is None:
-                    scheduler = _find_scheduler(self._scheduler_namespace)
+                    scheduler = _find_scheduler(self._scheduler_name, self._scheduler_namespace)
                     generation = None
                 if scheduler is not None:
                     if generation is None:
@@ -232,10 +234,10 @@ def _exit_for_restart(exc: BaseException) -> None:
     os._exit(1)
 
 
-def _find_scheduler(namespace: str | None) -> Any:
-    """The central scheduler's handle, or None while there is none."""
+def _find_scheduler(name: str, namespace: str | None) -> Any:
+    """The scheduler's (or its pool's shard's) handle, or None while there is none."""
     try:
-        return ray.get_actor(SCHEDULER_ACTOR_NAME, namespace=namespace)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
 
@@ -250,6 +252,7 @@ def create_worker(
     name: str | None = None,
     namespace: str | None = None,
     report_interval_s: float = 0.5,
+    scheduler_name: str = SCHEDULER_ACTOR_NAME,
     torch_threads: int | None = None,
     scheduling_strategy: Any = None,
 ) -> Any:
@@ -258,7 +261,8 @@ def create_worker(
     `max_restarts=-1`: Ray brings a dead worker back (empty cache, new
     incarnation) and it rejoins routing. `max_task_retries=0`: a stream cut by
     a failure is resumed by the ingress on another worker, never replayed by
-    Ray on the same one.
+    Ray on the same one. `scheduler_name`: the named scheduler actor (the
+    shard owning `pool`) the worker pushes to.
     """
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
@@ -279,5 +283,6 @@ def create_worker(
         engine_config,
         report_interval_s=report_interval_s,
         scheduler_namespace=namespace,
+        scheduler_name=scheduler_name,
         torch_threads=torch_threads,
     )
