@@ -22,9 +22,18 @@ MAX_MODEL_LEN = 160
 
 
 def small_cluster_config(
-    *, workers: int = 2, policy: str = "prefix_affinity", extra_pools: int = 0, wait_queue: int = 2
+    *,
+    workers: int = 2,
+    policy: str = "prefix_affinity",
+    extra_pools: int = 0,
+    wait_queue: int = 2,
 ) -> ClusterConfig:
-    """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>")."""
+    """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>").
+
+    Admission by prompt: the tests that fill a worker count requests against
+    max_num_seqs with long streams; full admission (the default) has its own
+    tests, which switch the mode at run time (`Ingress.set_admission`).
+    """
     pool = {
         "model": "tiny",
         "block_size": BLOCK_SIZE,
@@ -44,6 +53,7 @@ def small_cluster_config(
                 "report_interval_s": 0.2,
                 "report_timeout_s": 2.0,
                 "wait_queue_size": wait_queue,
+                "admission": "prompt",
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }

@@ -84,6 +84,15 @@ def test_parse_accepts_a_stop_string_and_a_batch_of_one_prompt() -> None:
     assert parsed.sampling["temperature"] == 0.0
 
 
+def test_parse_takes_vllms_priority_extension_and_checks_its_type() -> None:
+    assert parse_request({"prompt": "Hello", "priority": 5}, chat=False).priority == 5
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "priority": -1}
+    assert parse_request(chat, chat=True).priority == -1
+    assert parse_request({"prompt": "Hello"}, chat=False).priority == 0
+    with pytest.raises(IngressError, match="priority must be an integer"):
+        parse_request({"prompt": "Hello", "priority": "high"}, chat=False)
+
+
 def test_parse_rejects_n_above_one_saying_so() -> None:
     with pytest.raises(IngressError, match="n must be 1"):
         parse_request({"prompt": "Hello", "n": 2}, chat=False)

@@ -34,6 +34,7 @@ from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
 from pagefleet.scheduler.fair_queue import FairWaitQueue
 from pagefleet.scheduler.policy import (
+    ADMISSION_MODES,
     Claim,
     ResourceExhausted,
     blocks_for_prompt,
@@ -80,6 +81,7 @@ class Admission:
         self.slots = slots
         self.metrics = metrics
         self.policy = config.router.policy
+        self.mode = config.scheduler.admission
         # Tenants sharing a pool split its queue by weight and are dispatched fairly.
         members = {
             pool.name: {t.name: t.weight for t in config.tenants if t.pool == pool.name}
@@ -93,6 +95,14 @@ class Admission:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"router policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         self.policy = policy
+
+    def set_mode(self, mode: str) -> None:
+        """What a worker must have room for: "full" (prompt + max_tokens) or "prompt"."""
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {mode!r}")
+        self.mode = mode
+        for pool in self.config.pools:
+            self.dispatch(pool.name)  # looser room may seat waiting requests now
 
     # ----- the queue ----------------------------------------------------
 
@@ -247,7 +257,7 @@ class Admission:
     def _need(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> int:
         """Blocks the request takes at the worker: up to max_tokens ("full") or its prompt."""
         matched = self.router.matched_blocks(slot.worker_id, waiter.hashes)
-        if self.config.scheduler.admission == "prompt":
+        if self.mode == "prompt":
             return blocks_for_prompt(len(waiter.prompt_ids), pool.block_size, matched)
         return full_claim(
             len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.block_size,
@@ -255,7 +265,7 @@ class Admission:
         )
 
     def _headroom(self, report: LoadReport, slot: WorkerSlot) -> int:
-        if self.config.scheduler.admission == "prompt":
+        if self.mode == "prompt":
             return report.num_allocatable
         return claim_headroom(
             report, list(slot.claims.values()), self.origin,

@@ -132,6 +132,10 @@ class Ingress:
         """Switch the routing policy at run time (benchmarks compare policies on one cluster)."""
         self.admission.set_policy(policy)
 
+    def set_admission(self, mode: str) -> None:
+        """Switch `scheduler.admission` at run time (benchmarks compare the modes on one cluster)."""
+        self.admission.set_mode(mode)
+
     def _dispatch(self, pool: str) -> None:
         self.admission.dispatch(pool)
 
