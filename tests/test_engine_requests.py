@@ -328,3 +328,24 @@ def test_no_preemption_when_the_lower_ones_cannot_make_room() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_clean(llm)
+
+
+def test_block_claims_count_what_requests_hold_at_max_tokens() -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=16)
+    engine = llm.engine
+    # 20 + 40 tokens, the last never written: 59 tokens in 4 blocks; 2 held after prefill.
+    engine.add_request("a@r1", list(range(3, 23)), SamplingParams(max_tokens=40, ignore_eos=True))
+    # Two completions of 10 + 30: 1 shared prompt block... none full (10 < 16), so 3 each.
+    engine.add_request(
+        "b@r2", list(range(30, 40)), SamplingParams(max_tokens=30, n=2, ignore_eos=True), priority=2
+    )
+    claims = engine.block_claims()
+    assert claims.by_request == {"a@r1": 4, "b@r2": 6}
+    assert claims.by_priority == {0: (1, 4), 2: (1, 6)}
+    assert claims.committed == 10  # nothing held yet
+    engine.step()
+    assert engine.block_claims().committed == 10 - engine.stats()["live"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_claims().committed == 0
+    assert_pool_clean(llm)

@@ -446,28 +446,32 @@ class LLMEngine:
         A request claims the blocks it holds when each of its completions
         reaches `max_tokens` (capped by `max_model_len`; `request_claim`);
         `committed` is what its sequences (running, swapped or waiting) do not
-        hold yet. Prefix blocks shared with other requests count for each: an
-        overestimate, on the safe side for admission.
+        hold yet. Prefix blocks shared with other requests count for each, and
+        a finished completion's part until its request ends: overestimates, on
+        the safe side for admission.
         """
         bs = self.config.block_size
+        held: dict[str, set[int]] = {}
+        requests: dict[str, Request] = {}
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.swapped, *sched.waiting]:
+            requests[seq.request.request_id] = seq.request
+            blocks = held.setdefault(seq.request.request_id, set())
+            if seq.table is not None:
+                blocks.update(seq.table.block_ids)
         committed = 0
         by_priority: dict[int, list[int]] = {}
         by_request: dict[str, int] = {}
-        sched = self.scheduler
-        for seq in [*sched.running, *sched.swapped, *sched.waiting]:
-            request = seq.request
+        for request_id, request in requests.items():
             prompt = len(request.prompt_token_ids)
             max_tokens = min(request.params.max_tokens, self.max_model_len - prompt)
-            # Before the fork, sequence 0 claims for its siblings too.
-            n = request.params.n if not request.forked else 1
-            held = len(seq.table.block_ids) if seq.table is not None else 0
-            committed += max(0, request_claim(prompt, max_tokens, n, bs) - held)
-            if request.request_id not in by_request:
-                claim = request_claim(prompt, max_tokens, request.params.n, bs)
-                by_request[request.request_id] = claim
-                entry = by_priority.setdefault(seq.priority, [0, 0])
-                entry[0] += 1
-                entry[1] += claim
+            claim = request_claim(prompt, max_tokens, request.params.n, bs)
+            # Its completions share the prompt's blocks: what they hold counts once.
+            committed += max(0, claim - len(held[request_id]))
+            by_request[request_id] = claim
+            entry = by_priority.setdefault(request.priority, [0, 0])
+            entry[0] += 1
+            entry[1] += claim
         return BlockClaims(
             committed, {p: (n, b) for p, (n, b) in by_priority.items()}, by_request
         )
