@@ -60,7 +60,11 @@ def openai_cluster_config() -> ClusterConfig:
                 {"name": "acme", "pool": "default", "api_key": KEY_ACME},
                 {"name": "globex", "pool": "other", "api_key": KEY_GLOBEX},
             ],
-            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2},
+            # Admission by prompt: the full-pool test holds four long streams on one worker.
+            "scheduler": {
+                "report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2,
+                "admission": "prompt",
+            },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
         }
     )
