@@ -203,3 +203,13 @@ def test_scheduler_preemption_mode_is_a_pool_setting_not_a_scheduler_one() -> No
         ClusterConfig.from_dict(
             {"pools": [{"name": "default"}], "scheduler": {"preemption_mode": "swap"}}
         )
+
+
+def test_admission_defaults_to_the_full_request_and_bad_values_name_the_field() -> None:
+    assert ClusterConfig.from_dict({"pools": [{"name": "a"}]}).scheduler.admission == "full"
+    with pytest.raises(ConfigError, match=r"scheduler\.admission: must be one of full, prompt"):
+        ClusterConfig.from_dict({"pools": [{"name": "a"}], "scheduler": {"admission": "max"}})
+    with pytest.raises(ConfigError, match=r"scheduler\.admission_overcommit: must be a factor from 1\.0"):
+        ClusterConfig.from_dict(
+            {"pools": [{"name": "a"}], "scheduler": {"admission_overcommit": 0.5}}
+        )
