@@ -30,7 +30,12 @@ def small_cluster_config(
     scheduler_shards: int = 1,
 ) -> ClusterConfig:
     """Tiny model, `workers` CPU workers in pool "default" (+ 1-worker pools "spare<i>"),
-    their view kept by `scheduler_shards` scheduler actors."""
+    their view kept by `scheduler_shards` scheduler actors.
+
+    Admission by prompt: the tests that fill a worker count requests against
+    max_num_seqs with long streams; full admission (the default) has its own
+    tests, which switch the mode at run time (`Ingress.set_admission`).
+    """
     pool = {
         "model": "tiny",
         "block_size": BLOCK_SIZE,
@@ -51,6 +56,7 @@ def small_cluster_config(
                 "report_timeout_s": 2.0,
                 "wait_queue_size": wait_queue,
                 "shards": scheduler_shards,
+                "admission": "prompt",
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }

@@ -230,3 +230,13 @@ def test_every_scheduler_shard_owns_a_pool_and_ties_go_to_the_lower_shard() -> N
     assert cfg.scheduler_shards() == {f"p{i}": i for i in range(5)}
     two = ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}}).scheduler_shards()
     assert two == {"p0": 0, "p1": 1, "p2": 0, "p3": 1, "p4": 0}
+
+
+def test_admission_defaults_to_the_full_request_and_bad_values_name_the_field() -> None:
+    assert ClusterConfig.from_dict({"pools": [{"name": "a"}]}).scheduler.admission == "full"
+    with pytest.raises(ConfigError, match=r"scheduler\.admission: must be one of full, prompt"):
+        ClusterConfig.from_dict({"pools": [{"name": "a"}], "scheduler": {"admission": "max"}})
+    with pytest.raises(ConfigError, match=r"scheduler\.admission_overcommit: must be a factor from 1\.0"):
+        ClusterConfig.from_dict(
+            {"pools": [{"name": "a"}], "scheduler": {"admission_overcommit": 0.5}}
+        )

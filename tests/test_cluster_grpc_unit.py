@@ -151,7 +151,7 @@ def test_requests_beyond_the_workers_room_wait_and_leave_in_fifo_order() -> None
         waiting = [ingress.admission.admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
         assert not any(isinstance(w, WorkerSlot) for w in waiting)
         assert ingress.status("a")[0]["num_waiting"] == 2
-        ingress.admission.release(first)  # r1 finished
+        ingress.admission.release(first, _request("r1").key)  # r1 finished
         w3, w4 = (w for w in waiting if not isinstance(w, WorkerSlot))
         assert w3.future.result() is first and not w4.future.done()
         assert ingress.status("a")[0]["num_waiting"] == 1

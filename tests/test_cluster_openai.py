@@ -60,7 +60,11 @@ def openai_cluster_config() -> ClusterConfig:
                 {"name": "acme", "pool": "default", "api_key": KEY_ACME},
                 {"name": "globex", "pool": "other", "api_key": KEY_GLOBEX},
             ],
-            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2},
+            # Admission by prompt: the full-pool test holds four long streams on one worker.
+            "scheduler": {
+                "report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2,
+                "admission": "prompt",
+            },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
         }
     )
@@ -82,6 +86,15 @@ def test_parse_accepts_a_stop_string_and_a_batch_of_one_prompt() -> None:
     assert parsed.prompt == "Hello"
     assert parsed.sampling["stop"] == ("\n",)
     assert parsed.sampling["temperature"] == 0.0
+
+
+def test_parse_takes_vllms_priority_extension_and_checks_its_type() -> None:
+    assert parse_request({"prompt": "Hello", "priority": 5}, chat=False).priority == 5
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "priority": -1}
+    assert parse_request(chat, chat=True).priority == -1
+    assert parse_request({"prompt": "Hello"}, chat=False).priority == 0
+    with pytest.raises(IngressError, match="priority must be an integer"):
+        parse_request({"prompt": "Hello", "priority": "high"}, chat=False)
 
 
 def test_parse_rejects_n_above_one_saying_so() -> None:

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cluster.app import RunningCluster, start_cluster
-from pagefleet.cluster.client import stream_generate
+from pagefleet.cluster.client import build_request, stream_generate
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -425,6 +425,76 @@ def open_stream_in_pool(target: str, prompt: str, pool: str) -> tuple[grpc.Chann
         sampling=pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 20, ignore_eos=True),
     )
     return channel, s.Generate(req, timeout=120)
+
+
+# ----- policy when the pool fills: admission and priority ---------------------
+
+
+def _run_in_spare0(
+    target: str, prompts: list[str], max_tokens: int, priority: int = 0
+) -> list[concurrent.futures.Future[list[pb.GenerateResponse]]]:
+    def call(prompt: str) -> list[pb.GenerateResponse]:
+        channel, s = stub(target)
+        with channel:
+            req = build_request(
+                prompt, {"max_tokens": max_tokens, "ignore_eos": True}, pool="spare0",
+                priority=priority,
+            )
+            return list(s.Generate(req, timeout=240))
+
+    executor = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    futures = [executor.submit(call, p) for p in prompts]
+    executor.shutdown(wait=False)
+    return futures
+
+
+@pytest.mark.parametrize("mode", ["prompt", "full"])
+def test_full_admission_keeps_a_full_pool_free_of_preemptions(
+    cluster: RunningCluster, target: str, offline: LLM, mode: str
+) -> None:
+    # Four 140-token requests each claim ~37 of spare0's 96 blocks: by prompt all four
+    # run and outgrow the pool; by prompt + max_tokens two run and two wait.
+    worker = cluster.workers["spare0"][0][0]
+    prompts = [f"admission {mode} request {i}" for i in range(4)]
+    max_tokens = MAX_MODEL_LEN - 20
+    before = worker_stats(cluster, worker)["preemptions_total"]
+    cluster.ingress.set_admission.remote(mode).result()
+    try:
+        results = [f.result(timeout=240) for f in _run_in_spare0(target, prompts, max_tokens)]
+    finally:
+        cluster.ingress.set_admission.remote("prompt").result()
+    preempted = worker_stats(cluster, worker)["preemptions_total"] - before
+    if mode == "full":
+        assert preempted == 0
+    else:
+        assert preempted > 0
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for prompt, got in zip(prompts, results, strict=True):
+        assert tokens_of(got) == offline.generate(prompt, params)[0].token_ids
+
+
+def test_a_high_priority_request_preempts_low_ones_in_a_full_pool_and_finishes_first(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    # Four long low-priority streams take all of spare0's sequence slots.
+    worker = cluster.workers["spare0"][0][0]
+    low_prompts = [f"low priority stream {i}" for i in range(4)]
+    long = MAX_MODEL_LEN - 20
+    lows = _run_in_spare0(target, low_prompts, long)
+    wait_for(
+        lambda: worker_stats(cluster, worker)["num_running"] == 4, 30, "four low streams running"
+    )
+    before = worker_stats(cluster, worker)["preemptions_total"]
+    (high,) = _run_in_spare0(target, ["an urgent request"], 8, priority=5)
+    high_result = high.result(timeout=240)
+    # Sent at once (not queued behind them), and a low one made way in the engine.
+    assert not any(f.done() for f in lows), "the high-priority request should finish first"
+    assert worker_stats(cluster, worker)["preemptions_total"] > before
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert tokens_of(high_result) == offline.generate("an urgent request", params)[0].token_ids
+    long_params = SamplingParams(max_tokens=long, ignore_eos=True)
+    for prompt, future in zip(low_prompts, lows, strict=True):
+        assert tokens_of(future.result(timeout=240)) == offline.generate(prompt, long_params)[0].token_ids
 
 
 # ----- operations ------------------------------------------------------------

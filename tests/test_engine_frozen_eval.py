@@ -127,6 +127,35 @@ def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_hf_when_later_higher_priorities_preempt(ref: Reference, mode: str) -> None:
+    # Each wave outranks the one before and arrives to a full pool: it preempts them.
+    llm = LLM(
+        model=ref.model_dir,
+        block_size=8,
+        num_kv_blocks=12,
+        dtype="float64",
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    waves = {0: range(0, 5), 3: range(5, 9), 6: range(9, len(ref.prompts))}
+    got: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(waves) or engine.has_unfinished_requests():
+        for priority, (at, ids) in enumerate(waves.items()):
+            if at == step:
+                for i in ids:
+                    engine.add_request(str(i), ref.prompts[i], GREEDY, priority=priority)
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+        step += 1
+    assert_same_tokens([got[str(i)] for i in range(len(ref.prompts))], ref.expected)
+    assert llm.stats()[f"preemptions_{mode}"] > 0
+    assert_pool_clean(llm)
+
+
 def test_greedy_equals_hf_with_chunked_prefill(ref: Reference) -> None:
     # A 12-token budget splits every prompt longer than 12 into chunks across steps,
     # and chunk ends fall at every offset within a block of 16.

@@ -261,3 +261,91 @@ def test_evict_cached_frees_lru_cached_blocks_with_removed_events(engine: LLMEng
 def test_evict_cached_rejects_a_negative_count(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match=">= 0"):
         engine.evict_cached(-1)
+
+
+def run_low_then_high(llm: LLM, priority: int, max_num_seqs_full: bool = False) -> dict[str, list[int]]:
+    """A 40-token low-priority request fills the pool (or the seq slots); then `high` arrives.
+
+    Returns each request's tokens, keyed in finishing order.
+    """
+    engine = llm.engine
+    engine.add_request("low", list(range(3, 43)), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # low holds 3 of the 4 blocks (one slot of one, with max_num_seqs=1)
+    engine.add_request(
+        "high", list(range(50, 70)), SamplingParams(max_tokens=8, ignore_eos=True), priority=priority
+    )
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return done
+
+
+def alone(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_waiting_higher_priority_preempts_a_running_lower_one_for_blocks(mode: str) -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=4, preemption_mode=mode)
+    done = run_low_then_high(llm, priority=5)
+    assert list(done) == ["high", "low"]
+    stats = llm.stats()
+    assert stats[f"preemptions_{mode}"] >= 1, stats
+    # Preempted or not, greedy output is the output each request has alone.
+    assert done["low"] == alone(llm, list(range(3, 43)), 20)
+    assert done["high"] == alone(llm, list(range(50, 70)), 8)
+    assert_pool_clean(llm)
+
+
+def test_waiting_higher_priority_preempts_for_a_sequence_slot() -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=16, max_num_seqs=1)
+    done = run_low_then_high(llm, priority=5)
+    assert list(done) == ["high", "low"]
+    assert llm.stats()["preemptions_total"] >= 1
+    assert done["low"] == alone(llm, list(range(3, 43)), 20)
+    assert_pool_clean(llm)
+
+
+def test_equal_priority_waits_instead_of_preempting() -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=4)
+    done = run_low_then_high(llm, priority=0)
+    assert list(done) == ["low", "high"]
+    assert llm.stats()["preemptions_total"] == 0
+    assert_pool_clean(llm)
+
+
+def test_no_preemption_when_the_lower_ones_cannot_make_room() -> None:
+    # high needs all 4 blocks' worth of prompt but low frees only its own 3 while a
+    # priority-9 request keeps the 4th: preempting low would seat nobody.
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=5, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("top", list(range(3, 10)), SamplingParams(max_tokens=8, ignore_eos=True), priority=9)
+    engine.add_request("low", list(range(10, 50)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # top 1 block, low 3 blocks, 1 free
+    engine.add_request("big", list(range(3, 83)), SamplingParams(max_tokens=1), priority=5)  # 5 blocks
+    engine.step()
+    assert llm.stats()["preemptions_total"] == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_clean(llm)
+
+
+def test_block_claims_count_what_requests_hold_at_max_tokens() -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=16)
+    engine = llm.engine
+    # 20 + 40 tokens, the last never written: 59 tokens in 4 blocks; 2 held after prefill.
+    engine.add_request("a@r1", list(range(3, 23)), SamplingParams(max_tokens=40, ignore_eos=True))
+    # Two completions of 10 + 30: 1 shared prompt block... none full (10 < 16), so 3 each.
+    engine.add_request(
+        "b@r2", list(range(30, 40)), SamplingParams(max_tokens=30, n=2, ignore_eos=True), priority=2
+    )
+    claims = engine.block_claims()
+    assert claims.by_request == {"a@r1": 4, "b@r2": 6}
+    assert claims.by_priority == {0: (1, 4), 2: (1, 6)}
+    assert claims.committed == 10  # nothing held yet
+    engine.step()
+    assert engine.block_claims().committed == 10 - engine.stats()["live"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_claims().committed == 0
+    assert_pool_clean(llm)

@@ -36,6 +36,9 @@ def make_report(**overrides: object) -> LoadReport:
         evictions=9,
         prefix_query_tokens=640,
         prefix_hit_tokens=320,
+        committed_blocks=12,
+        priority_claims={0: (2, 30), 5: (1, 8)},
+        origin_claims={"replica-a": 38},
     )
     fields.update(overrides)
     return LoadReport(**fields)  # type: ignore[arg-type]
@@ -190,3 +193,27 @@ def test_report_of_a_new_incarnation_supersedes_a_higher_seq() -> None:
     assert make_report(seq=1, incarnation="b").supersedes(old)
     assert not make_report(seq=49, incarnation="a").supersedes(old)
     assert make_report(seq=51, incarnation="a").supersedes(old)
+
+
+def test_claims_are_optional_on_the_wire() -> None:
+    obj = msgpack.unpackb(make_report().encode())
+    for name in ("committed", "priority_claims", "origin_claims"):
+        del obj[name]
+    old = LoadReport.decode(msgpack.packb(obj))
+    assert (old.committed_blocks, old.priority_claims, old.origin_claims) == (0, {}, {})
+    assert old.lowest_priority is None
+
+
+def test_lowest_priority_and_the_blocks_claimed_below_a_priority() -> None:
+    report = make_report(priority_claims={0: (2, 30), 3: (1, 4), 5: (1, 8)})
+    assert report.lowest_priority == 0
+    assert report.claimed_below(5) == 34
+    assert report.claimed_below(0) == 0
+
+
+@pytest.mark.parametrize("claims", [{"x": [1, 2]}, {"0": [1]}, {"0": [True, 2]}, {"0": 3}])
+def test_malformed_priority_claims_are_refused(claims: object) -> None:
+    obj = msgpack.unpackb(make_report().encode())
+    obj["priority_claims"] = claims
+    with pytest.raises(EventDecodeError, match="priority_claims"):
+        LoadReport.decode(msgpack.packb(obj))

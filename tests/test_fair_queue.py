@@ -199,3 +199,21 @@ def test_requests_routed_without_waiting_count_in_the_fair_order() -> None:
     queue.push("chat", "a", "a5", "")
     queue.push("chat", "b", "b0", "")
     assert queue.peek("chat") == ("b0", "")
+
+
+def test_a_tenant_s_higher_priority_requests_go_first_fifo_among_equals() -> None:
+    queue: FairWaitQueue[str] = FairWaitQueue(8)
+    for request_id, priority in [("low1", 0), ("high1", 5), ("low2", 0), ("high2", 5)]:
+        queue.push("p", "a", request_id, request_id, priority)
+    assert [queue.pop("p") for _ in range(4)] == [
+        ("high1", "high1"), ("high2", "high2"), ("low1", "low1"), ("low2", "low2")
+    ]
+
+
+def test_priority_does_not_buy_a_tenant_more_than_its_fair_turn() -> None:
+    queue: FairWaitQueue[str] = FairWaitQueue(8)
+    queue.charge("p", "a")  # a just had its turn
+    queue.push("p", "a", "a-urgent", "a-urgent", 100)
+    queue.push("p", "b", "b-plain", "b-plain", 0)
+    assert queue.pop("p") == ("b-plain", "b-plain")
+    assert queue.pop("p") == ("a-urgent", "a-urgent")

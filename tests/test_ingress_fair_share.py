@@ -86,7 +86,7 @@ def test_the_first_slot_that_frees_goes_to_b_not_to_a_s_backlog() -> None:
         (b_waiter,), _ = _flood(ingress, "b", 1)
         first = running[0]
         assert isinstance(first, WorkerSlot) and not isinstance(b_waiter, WorkerSlot)
-        ingress.admission.release(first)  # one of a's requests finished
+        ingress.admission.release(first, _request("a", "a0").key)  # one of a's requests finished
         assert b_waiter.future.result() is first
         assert ingress.admission.waiting("shared", "a") == 2
 

@@ -5,18 +5,29 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.scheduler.policy import (
+    Claim,
     EvictionWatermarks,
     blocks_for_prompt,
     blocks_to_evict,
-    can_admit,
+    claim_headroom,
+    full_claim,
 )
 from pagefleet.worker.events import LoadReport
 
 
 def report(
-    worker_id: str = "w0", *, total: int = 100, free: int = 50, cached: int = 0
+    worker_id: str = "w0",
+    *,
+    total: int = 100,
+    free: int = 50,
+    cached: int = 0,
+    committed: int = 0,
+    origin_claims: dict[str, int] | None = None,
 ) -> LoadReport:
-    return LoadReport(worker_id, "chat", 1, 0.0, total, free, total - free - cached, cached, 0)
+    return LoadReport(
+        worker_id, "chat", 1, 0.0, total, free, total - free - cached, cached, 0,
+        committed_blocks=committed, origin_claims=origin_claims or {},
+    )
 
 
 def test_prompt_needs_ceil_of_its_tokens_in_blocks() -> None:
@@ -37,17 +48,31 @@ def test_empty_prompt_is_rejected() -> None:
         blocks_for_prompt(0, 16)
 
 
-def test_admission_counts_evictable_cached_blocks() -> None:
-    assert can_admit(report(free=2, cached=8), 10 * 16, 16)
-    assert not can_admit(report(free=2, cached=7), 10 * 16, 16)
+def test_a_full_claim_covers_the_prompt_and_max_tokens_less_the_cached_prefix() -> None:
+    # 40 + 30 tokens, the last never written: 69 tokens in 5 blocks of 16.
+    assert full_claim(40, 30, 1, 16) == 5
+    assert full_claim(40, 30, 1, 16, matched_blocks=2) == 3
+    # Two completions share the 2 full prompt blocks and need 3 of their own each.
+    assert full_claim(40, 30, 2, 16) == 5 + 3
 
 
-def test_admission_keeps_the_reserve() -> None:
-    assert not can_admit(report(free=10), 10 * 16, 16, reserve_blocks=1)
+def test_headroom_counts_evictable_cached_blocks_less_what_others_will_take() -> None:
+    assert claim_headroom(report(free=2, cached=8), [], "me") == 10
+    assert claim_headroom(report(free=2, cached=8, committed=7), [], "me") == 3
 
 
-def test_admission_credits_a_prefix_hit() -> None:
-    assert can_admit(report(free=3), 10 * 16, 16, matched_blocks=7)
+def test_headroom_swaps_this_replicas_reported_claims_for_its_exact_ones() -> None:
+    # The report counts 6 blocks of ours (one request, since finished); now we have
+    # a 4-block request the report has not seen yet.
+    stale = report(free=10, committed=8, origin_claims={"me": 6, "other": 2})
+    assert claim_headroom(stale, [Claim(0, 4)], "me") == 10 - 8 + 6 - 4
+    assert claim_headroom(stale, [Claim(0, 4)], "other") == 10 - 8 + 2 - 4
+
+
+def test_overcommit_lets_claims_exceed_the_pool_by_its_factor() -> None:
+    full = report(total=100, free=10, committed=10)
+    assert claim_headroom(full, [], "me") == 0
+    assert claim_headroom(full, [], "me", overcommit=1.5) == 50
 
 
 def test_no_eviction_above_the_low_watermark() -> None:

@@ -1,14 +1,24 @@
 """Admission at the ingress: route a request when a worker has room, else queue it.
 
 Late binding: a request is sent to a worker only when some live worker of its
-pool has room for it (fewer than max_num_seqs of this replica's requests in
-flight there and, by its latest load report, free plus cached blocks for the
-prompt's uncached blocks). Otherwise it waits in the pool's bounded
-`FairWaitQueue` (tenants sharing the pool in weighted fair order, FIFO within
-a tenant) and is routed when a request finishes or the view shows capacity,
+pool has room for it: fewer than max_num_seqs of this replica's requests in
+flight there and, by its latest load report, room for the blocks it takes.
+With `scheduler.admission: full` (the default) that is every block up to its
+max_tokens (its uncached part), beside what the requests already there will
+still take (`policy.claim_headroom`: the report's committed blocks, with this
+replica's own part replaced by its exact claims, so what it sent since the
+report counts); with `prompt`, only the prompt's uncached blocks. Otherwise it
+waits in the pool's bounded `FairWaitQueue` (tenants sharing the pool in
+weighted fair order, higher priority first within a tenant) and is routed when
+a request finishes or the view shows capacity,
 so the router places it with fresh load and cache information instead of it
 queuing blind inside one worker's engine. Past the queue's bound, or past the
 tenant's share of it, the request is refused with RESOURCE_EXHAUSTED.
+
+Priority: a request that finds no room, but a worker running requests of
+lower priority whose blocks (and sequence slots) would make room, is sent
+there now, and that worker's engine preempts them for it; it does not wait
+behind them.
 """
 
 from __future__ import annotations
@@ -23,8 +33,16 @@ from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import ROUTING_POLICIES, NoWorkerAvailable, Router
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
 from pagefleet.scheduler.fair_queue import FairWaitQueue
-from pagefleet.scheduler.policy import ResourceExhausted, can_admit
+from pagefleet.scheduler.policy import (
+    ADMISSION_MODES,
+    Claim,
+    ResourceExhausted,
+    blocks_for_prompt,
+    claim_headroom,
+    full_claim,
+)
 from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.events import LoadReport
 
 
 @dataclass
@@ -35,9 +53,13 @@ class Waiter:
     counted), or to None when the request was aborted while waiting.
     """
 
+    key: str
     pool: str
     prompt_ids: list[int]
     hashes: list[bytes]
+    priority: int
+    max_tokens: int
+    n: int
     future: asyncio.Future[WorkerSlot | None]
 
 
@@ -49,13 +71,17 @@ class Admission:
         config: ClusterConfig,
         router: Router,
         slots: WorkerSlots,
+        origin: str,
         metrics: IngressMetrics | None = None,
     ) -> None:
         self.config = config
+        # This replica's tag in the workers' reports (`LoadReport.origin_claims`).
+        self.origin = origin
         self.router = router
         self.slots = slots
         self.metrics = metrics
         self.policy = config.router.policy
+        self.mode = config.scheduler.admission
         # Tenants sharing a pool split its queue by weight and are dispatched fairly.
         members = {
             pool.name: {t.name: t.weight for t in config.tenants if t.pool == pool.name}
@@ -69,6 +95,14 @@ class Admission:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"router policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         self.policy = policy
+
+    def set_mode(self, mode: str) -> None:
+        """What a worker must have room for: "full" (prompt + max_tokens) or "prompt"."""
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {mode!r}")
+        self.mode = mode
+        for pool in self.config.pools:
+            self.dispatch(pool.name)  # looser room may seat waiting requests now
 
     # ----- the queue ----------------------------------------------------
 
@@ -91,14 +125,20 @@ class Admission:
         if live == 0:
             raise IngressError(ErrorCode.UNAVAILABLE, f"no live worker in pool {pool.name!r}")
         hashes = self.router.block_hashes(pool.name, prompt_ids, salt=req.salt)
-        if self._waiting.size(pool.name) == 0:  # FIFO: nobody may overtake a waiting request
-            slot = self._place(pool, prompt_ids, hashes)
+        waiter = Waiter(
+            req.key, pool.name, prompt_ids, hashes, req.priority, req.params.max_tokens,
+            req.params.n, asyncio.get_running_loop().create_future(),
+        )
+        head = self._waiting.peek(pool.name)
+        # FIFO: nobody may take free room ahead of a waiting request, but a request that
+        # outranks the head may still preempt lower priorities running somewhere.
+        if head is None or head[1].priority < req.priority:
+            slot = self._place(pool, waiter, free_room=head is None)
             if slot is not None:
                 self._waiting.charge(pool.name, req.tenant)  # its turn counts in fair order
                 return slot
-        waiter = Waiter(pool.name, prompt_ids, hashes, asyncio.get_running_loop().create_future())
         try:
-            self._waiting.push(pool.name, req.tenant, req.key, waiter)
+            self._waiting.push(pool.name, req.tenant, req.key, waiter, req.priority)
         except ResourceExhausted as exc:
             raise self._refusal(pool, req.tenant, live) from exc
         return waiter
@@ -147,13 +187,26 @@ class Admission:
             waiter.future.cancel()
         elif not waiter.future.cancelled() and (slot := waiter.future.result()) is not None:
             # Routed, but cancelled before it could start: the worker never saw it.
-            slot.in_flight -= 1
+            slot.claims.pop(key, None)
         self.dispatch(waiter.pool)  # the new head of the queue may fit where this one did not
 
-    def release(self, slot: WorkerSlot) -> None:
-        """A request of this replica left the worker (finished, failed or moved)."""
-        slot.in_flight -= 1
+    def release(self, slot: WorkerSlot, key: str) -> None:
+        """The request `key` of this replica left the worker (finished or failed)."""
+        slot.claims.pop(key, None)
         self.dispatch(slot.pool)
+
+    def move(
+        self, slot: WorkerSlot, key: str, token_ids: Sequence[int], salt: str | None,
+        exclude: Sequence[str] | set[str],
+    ) -> WorkerSlot:
+        """Route the request `key` running at `slot` to another live worker now (failover),
+        room or not; its claim goes with it."""
+        moved = self.route(slot.pool, token_ids, salt, exclude)
+        claim = slot.claims.pop(key, None)
+        if claim is not None:
+            moved.claims[key] = claim
+        self.dispatch(slot.pool)
+        return moved
 
     # ----- routing ------------------------------------------------------
 
@@ -171,26 +224,55 @@ class Admission:
             ) from exc
         return self.slots[decision.worker_id]
 
-    def _place(self, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]) -> WorkerSlot | None:
-        """Route to a live worker with room (counting it in flight there), or None if all are full."""
-        full = [
-            slot.worker_id
-            for slot in self.slots.pool(pool.name)
-            if not self._has_room(slot, pool, prompt_ids, hashes)
-        ]
+    def _place(self, pool: PoolConfig, waiter: Waiter, *, free_room: bool = True) -> WorkerSlot | None:
+        """Route to a live worker with room, else to one where it may preempt lower
+        priorities (its claim counted there), or None.
+
+        Without `free_room`, only the latter: others wait for free room before it.
+        """
+        slots = [slot for slot in self.slots.pool(pool.name) if slot.alive]
+        chosen: WorkerSlot | None = None
+        if free_room:
+            chosen = self._route(pool, waiter, [s for s in slots if self._has_room(s, pool, waiter)])
+        if chosen is None:
+            chosen = self._route(pool, waiter, [s for s in slots if self._can_preempt(s, pool, waiter)])
+        if chosen is not None:
+            # Counted without the prefix it may reuse: the worker's report counts it so.
+            chosen.claims[waiter.key] = Claim(
+                waiter.priority,
+                full_claim(len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.block_size),
+            )
+        return chosen
+
+    def _route(self, pool: PoolConfig, waiter: Waiter, fit: list[WorkerSlot]) -> WorkerSlot | None:
+        if not fit:
+            return None
+        others = [slot.worker_id for slot in self.slots.pool(pool.name) if slot not in fit]
         try:
-            decision = self.router.route_hashes(pool.name, hashes, policy=self.policy, exclude=full)
+            decision = self.router.route_hashes(pool.name, waiter.hashes, policy=self.policy, exclude=others)
         except NoWorkerAvailable:
             return None
-        slot = self.slots[decision.worker_id]
-        slot.in_flight += 1
-        return slot
+        return self.slots[decision.worker_id]
 
-    def _has_room(
-        self, slot: WorkerSlot, pool: PoolConfig, prompt_ids: list[int], hashes: list[bytes]
-    ) -> bool:
-        if not slot.alive:
-            return False
+    def _need(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> int:
+        """Blocks the request takes at the worker: up to max_tokens ("full") or its prompt."""
+        matched = self.router.matched_blocks(slot.worker_id, waiter.hashes)
+        if self.mode == "prompt":
+            return blocks_for_prompt(len(waiter.prompt_ids), pool.block_size, matched)
+        return full_claim(
+            len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.block_size,
+            matched_blocks=matched,
+        )
+
+    def _headroom(self, report: LoadReport, slot: WorkerSlot) -> int:
+        if self.mode == "prompt":
+            return report.num_allocatable
+        return claim_headroom(
+            report, list(slot.claims.values()), self.origin,
+            overcommit=self.config.scheduler.admission_overcommit,
+        )
+
+    def _has_room(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> bool:
         if slot.in_flight == 0:
             return True  # an idle worker takes anything that fits max_model_len
         if slot.in_flight >= max_num_seqs_of(pool):
@@ -198,8 +280,26 @@ class Admission:
         if slot.report is None:
             return True
         # The report may be one push old; the delta that refreshes it dispatches again.
-        matched = self.router.matched_blocks(slot.worker_id, hashes)
-        return can_admit(slot.report, len(prompt_ids), pool.block_size, matched_blocks=matched)
+        return self._headroom(slot.report, slot) >= self._need(slot, pool, waiter)
+
+    def _can_preempt(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> bool:
+        """Whether preempting requests of lower priority at the worker would seat this one.
+
+        Lower priorities there are the report's, or this replica's own claims
+        when they say more (a report older than the requests it sent).
+        """
+        report = slot.report
+        if report is None:
+            return False
+        p = waiter.priority
+        mine = [c for c in slot.claims.values() if c.priority < p]
+        below = max(sum(n for q, (n, _) in report.priority_claims.items() if q < p), len(mine))
+        if below == 0:
+            return False
+        if slot.in_flight - below >= max_num_seqs_of(pool):
+            return False  # even without them, its seat is taken
+        freed = max(report.claimed_below(p), sum(c.blocks for c in mine))
+        return self._headroom(report, slot) + freed >= self._need(slot, pool, waiter)
 
     def dispatch(self, pool_name: str) -> None:
         """Route the pool's waiting requests, in fair order, while a worker has room for them."""
@@ -212,7 +312,7 @@ class Admission:
                 # Its task was cancelled and has not run its cleanup yet: skip it.
                 self._waiting.remove(key)
                 continue
-            slot = self._place(pool, waiter.prompt_ids, waiter.hashes)
+            slot = self._place(pool, waiter)
             if slot is None:
                 return  # the head waits for room, and so does everyone behind it
             self._waiting.pop(pool_name)  # advances the pool's virtual clock (fair order)

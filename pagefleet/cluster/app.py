@@ -111,6 +111,10 @@ class IngressDeployment:
         """Switch the routing policy (prefix_affinity, round_robin, least_loaded, power_of_two)."""
         self.ingress.set_router_policy(policy)
 
+    async def set_admission(self, mode: str) -> None:
+        """Switch what a worker must have room for (full: prompt + max_tokens; prompt)."""
+        self.ingress.set_admission(mode)
+
     async def drain_and_stop(self, timeout_s: float) -> int:
         """Graceful shutdown: stop accepting (health NOT_SERVING, new requests UNAVAILABLE),
         let running streams finish for up to `timeout_s` (then abort them), stop the servers.

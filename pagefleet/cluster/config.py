@@ -7,7 +7,7 @@ start instead of a worker failing later.
 ```yaml
 server: {grpc_port: 50051, http_port: 8000}
 router: {policy: prefix_affinity, w_prefill: 1.0, w_load: 1.0}
-scheduler: {report_timeout_s: 3.0, wait_queue_size: 256}
+scheduler: {report_timeout_s: 3.0, wait_queue_size: 256, admission: full}
 pools:
   - {name: chat, model: tiny, workers: 2, block_size: 16, num_kv_blocks: 512}
 tenants:
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pagefleet.cluster.router import RouterConfig
-from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.config import DEFAULT_DTYPE, DTYPES, PREEMPTION_MODES, EngineConfig
 
@@ -193,7 +193,13 @@ class SchedulerConfig:
     """Central scheduler settings: liveness, wait queue bound, eviction watermarks.
 
     `wait_queue_size` bounds, per pool, the requests waiting at the ingress for a
-    worker with room. Below `evict_low_watermark` free blocks (a fraction of a
+    worker with room. `admission` says what room means: "full" (the default)
+    sends a request only where the blocks it takes up to its max_tokens fit
+    beside what the requests already there will still take (up to
+    `admission_overcommit` times the pool), so a full pool does not thrash in
+    preemptions; "prompt" only asks room for the prompt (more requests run
+    at once, and the engine preempts when their outputs outgrow the pool).
+    Below `evict_low_watermark` free blocks (a fraction of a
     worker's pool) the scheduler asks the worker to evict cached blocks until
     `evict_high_watermark` are free; `evict_low_watermark: 0` turns that off.
 
@@ -214,10 +220,18 @@ class SchedulerConfig:
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: float = 10.0
     shards: int = 1
+    admission: str = "full"
+    admission_overcommit: float = 1.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
         _at_least("shards", self.shards, 1)
+        _one_of("admission", self.admission, ADMISSION_MODES)
+        if not 1.0 <= self.admission_overcommit <= 100.0:
+            _fail(
+                "admission_overcommit",
+                f"must be a factor from 1.0 (never overcommit) to 100, got {self.admission_overcommit}",
+            )
         if not self.stall_timeout_s > 0:
             _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
         if not self.index_check_interval_s > 0:

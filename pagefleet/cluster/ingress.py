@@ -111,7 +111,7 @@ class Ingress:
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._scheduler = scheduler
         self.slots = WorkerSlots(config, workers, self.router, self._dispatch, metrics)
-        self.admission = Admission(config, self.router, self.slots, metrics)
+        self.admission = Admission(config, self.router, self.slots, self.replica_id, metrics)
         self.fleet = FleetView(self.router, self.slots.apply, self.replica_id)
         self._prompts = Prompts()
         self._running: dict[str, _Running] = {}
@@ -132,6 +132,10 @@ class Ingress:
     def set_router_policy(self, policy: str) -> None:
         """Switch the routing policy at run time (benchmarks compare policies on one cluster)."""
         self.admission.set_policy(policy)
+
+    def set_admission(self, mode: str) -> None:
+        """Switch `scheduler.admission` at run time (benchmarks compare the modes on one cluster)."""
+        self.admission.set_mode(mode)
 
     def _dispatch(self, pool: str) -> None:
         self.admission.dispatch(pool)
@@ -261,12 +265,9 @@ class Ingress:
                         prompt_tokens, len(streamed), cached_tokens or 0,
                     )
                     return
-                moved = self.admission.route(
-                    pool.name, [*prompt_ids, *streamed], req.salt, exclude=state.tried
+                state.slot = self.admission.move(
+                    state.slot, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried
                 )
-                moved.in_flight += 1
-                self.admission.release(state.slot)
-                state.slot = moved
         finally:
             # A worker may have room now: `release` hands it to the next waiting request.
             if state is not None:
@@ -275,11 +276,11 @@ class Ingress:
                     # Client gone (cancel, disconnect) or an error: the worker must free
                     # the request's blocks now, not when it would have finished.
                     _fire_and_forget(state.slot.handle.abort.remote(self._worker_rid(req.key)))
-                self.admission.release(state.slot)
+                self.admission.release(state.slot, req.key)
             elif not isinstance(admitted, WorkerSlot):
                 self.admission.leave(req.key, admitted)
             else:
-                self.admission.release(admitted)
+                self.admission.release(admitted, req.key)
 
     async def abort(self, request_id: str, tenant: str = "") -> bool:
         """Abort a running or waiting request of `tenant`; its stream ends with finish_reason

@@ -103,6 +103,8 @@ class OpenAIRequest:
     sampling: dict[str, Any]
     stream: bool
     include_usage: bool
+    # vLLM's extension: larger is admitted first and preempted last.
+    priority: int = 0
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -231,6 +233,7 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise _invalid(f"stream_options must be an object, got {options!r}")
+    priority = _typed(body, "priority", int, "an integer")
     return OpenAIRequest(
         chat=chat,
         model=model or "",
@@ -238,6 +241,7 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
         sampling=_sampling(body, chat=chat),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage")),
+        priority=priority or 0,
     )
 
 
@@ -661,6 +665,7 @@ class _OpenAIApi:
                     request_id=request_id,
                     prompt=prompt,
                     sampling=parsed.sampling,
+                    priority=parsed.priority,
                     pool=pool,
                     salt=tenant.cache_salt(),
                     tenant=tenant.name,

@@ -20,6 +20,7 @@ from typing import Any
 from pagefleet.cluster.config import ClusterConfig, PoolConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
+from pagefleet.scheduler.policy import Claim
 from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.events import LoadReport
 
@@ -51,9 +52,15 @@ class WorkerSlot:
     # Set when the worker leaves routing: streams running there stop waiting on it and
     # move. A fresh event each time it comes back.
     left: asyncio.Event = field(default_factory=asyncio.Event)
-    # Requests this ingress has sent to the worker and not seen finish: exact and
-    # never stale, unlike the report's counts, so admission counts on it.
-    in_flight: int = 0
+    # Requests this ingress has sent to the worker and not seen finish, by request key,
+    # with what each will take there at most: exact and never stale, unlike the
+    # report's counts, so admission counts on them.
+    claims: dict[str, Claim] = field(default_factory=dict)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this replica running (or queued) at the worker now."""
+        return len(self.claims)
 
 
 class WorkerSlots:

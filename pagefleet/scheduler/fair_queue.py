@@ -9,7 +9,7 @@ one tenant from hurting another that shares the pool:
   ``S + 1 / weight_t``, where ``F_t`` is the finish time of the tenant's last
   dispatched request and ``V`` the start time of the last request dispatched
   in the pool. The smallest finish time goes first (ties:
-  the earlier arrival); within a tenant the order is FIFO. A tenant that has
+  the earlier arrival); within a tenant, higher priority first, then FIFO. A tenant that has
   been flooding the pool has run ahead in virtual time (requests routed at
   once, without waiting, are `charge`d too), so a newcomer's first request
   goes before the flood's backlog. An idle tenant earns no credit:
@@ -20,6 +20,11 @@ one tenant from hurting another that shares the pool:
   the tenants whose home pool this is (plus the tenant's own weight when it
   is a guest there, which only an open server without API keys allows). One
   tenant alone in its pool may fill the whole queue.
+
+Priority reorders only a tenant's own requests: whichever request a tenant
+sends, its turn comes by its weight, so a tenant cannot buy more than its
+share of the pool by marking everything urgent; among tenants' heads the
+order stays weighted fair.
 
 Past either bound `push` raises `ResourceExhausted` (RESOURCE_EXHAUSTED / 429)
 with the numbers in the message.
@@ -43,6 +48,7 @@ DEFAULT_WEIGHT = 1.0
 class _Entry(Generic[_T]):
     item: _T
     arrival: int  # global push counter: the tie-break between equal finish times
+    priority: int = 0  # larger first within the tenant
 
 
 @dataclass
@@ -98,8 +104,8 @@ class FairWaitQueue(Generic[_T]):
 
     # ----- queue --------------------------------------------------------
 
-    def push(self, pool: str, tenant: str, request_id: str, item: _T) -> None:
-        """Enqueue at the tail of the tenant's FIFO.
+    def push(self, pool: str, tenant: str, request_id: str, item: _T, priority: int = 0) -> None:
+        """Enqueue behind the tenant's requests of `priority` or higher (FIFO among equals).
 
         Raises ResourceExhausted when the pool's queue holds `max_size`
         requests or the tenant already holds its share of them.
@@ -123,7 +129,7 @@ class FairWaitQueue(Generic[_T]):
             queue = state.queues[tenant] = OrderedDict()
             state.head_start[tenant] = max(state.vtime, state.last_finish.get(tenant, 0.0))
         self._arrivals += 1
-        queue[request_id] = _Entry(item, self._arrivals)
+        queue[request_id] = _Entry(item, self._arrivals, priority)
         state.size += 1
         self._where[request_id] = (pool, tenant)
 
@@ -203,7 +209,7 @@ class FairWaitQueue(Generic[_T]):
         for tenant, queue in state.queues.items():
             if not queue:
                 continue
-            request_id, entry = next(iter(queue.items()))
+            request_id, entry = _first(queue)
             start = state.head_start[tenant]
             finish = start + 1.0 / self.weight(pool, tenant)
             key = (finish, entry.arrival)
@@ -221,3 +227,12 @@ class FairWaitQueue(Generic[_T]):
         if not queue:
             del state.queues[tenant]
             del state.head_start[tenant]
+
+
+def _first(queue: OrderedDict[str, _Entry[_T]]) -> tuple[str, _Entry[_T]]:
+    """A tenant's next request: the earliest of its highest priority."""
+    best_id, best = next(iter(queue.items()))
+    for request_id, entry in queue.items():
+        if entry.priority > best.priority:
+            best_id, best = request_id, entry
+    return best_id, best

@@ -2,7 +2,9 @@
 
 Used by the central scheduler and by workers alike, and testable without Ray:
 
-- admission: does a prompt fit a worker now (`can_admit`);
+- admission: the blocks a prompt needs (`blocks_for_prompt`) or the whole
+  request up to its max_tokens (`full_claim`), and what a worker can still
+  give beside what the requests already there will take (`claim_headroom`);
 - eviction: how many cached blocks a worker should evict to stay above its
   free-block watermark (`blocks_to_evict`);
 
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.worker.block_table import request_claim
 from pagefleet.worker.events import LoadReport
+
+ADMISSION_MODES = ("full", "prompt")
 
 
 def blocks_for_prompt(num_tokens: int, block_size: int, matched_blocks: int = 0) -> int:
@@ -32,21 +37,42 @@ def blocks_for_prompt(num_tokens: int, block_size: int, matched_blocks: int = 0)
     return total - reusable
 
 
-def can_admit(
-    report: LoadReport,
-    num_tokens: int,
-    block_size: int,
-    *,
-    matched_blocks: int = 0,
-    reserve_blocks: int = 0,
-) -> bool:
-    """Whether the worker can take the prompt now: free plus evictable blocks cover it and a reserve.
+@dataclass(frozen=True)
+class Claim:
+    """What one request an ingress replica sent to a worker will take there at most."""
 
-    The reserve keeps room for running sequences' next decode blocks, so an
-    admission does not immediately force a preemption.
+    priority: int
+    blocks: int
+
+
+def full_claim(
+    num_tokens: int, max_tokens: int, n: int, block_size: int, *, matched_blocks: int = 0
+) -> int:
+    """New blocks a request takes by the time its `n` completions reach `max_tokens`.
+
+    As in `blocks_for_prompt`, at most ``(num_tokens - 1) // block_size`` of
+    them can be the `matched_blocks` a worker already holds.
     """
-    needed = blocks_for_prompt(num_tokens, block_size, matched_blocks)
-    return report.num_allocatable - max(reserve_blocks, 0) >= needed
+    reusable = min(max(matched_blocks, 0), (num_tokens - 1) // block_size)
+    return request_claim(num_tokens, max_tokens, n, block_size) - reusable
+
+
+def claim_headroom(
+    report: LoadReport, own: list[Claim], origin: str, *, overcommit: float = 1.0
+) -> int:
+    """Blocks a new request may still claim on the worker (negative: overcommitted).
+
+    The allocatable blocks, less what every request there will still take
+    (`committed_blocks`), where this replica's part of the report (its
+    `origin_claims`, possibly stale) is replaced by its exact `own` claims:
+    requests it sent since the report count, those that finished since no
+    longer do. `overcommit` > 1 lets claims exceed the pool by that factor
+    (requests rarely all reach max_tokens; the engine preempts when they do).
+    """
+    slack = int((overcommit - 1.0) * report.total_blocks)
+    mine = sum(c.blocks for c in own)
+    reported_mine = report.origin_claims.get(origin, 0)
+    return report.num_allocatable + slack - report.committed_blocks + reported_mine - mine
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ class WorkerActor:
 
     def _load_report(self) -> bytes:
         self._report_seq += 1
+        claims = self._engine.block_claims()
         return LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,
@@ -155,6 +156,9 @@ class WorkerActor:
             tenant_cap_refusals=self._engine.tenant_cap_refusals(),
             incarnation=self.incarnation,
             progress=self._progress,
+            committed_blocks=claims.committed,
+            priority_claims=claims.by_priority,
+            origin_claims=_by_origin(claims.by_request),
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:
@@ -223,6 +227,16 @@ class WorkerActor:
             if replica in dead_replicas:
                 logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
                 self._engine.abort(request_id)
+
+
+def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
+    """Per ingress replica (the tag after "@" in its request ids), the blocks its requests claim."""
+    out: dict[str, int] = {}
+    for request_id, blocks in by_request.items():
+        _, at, replica = request_id.rpartition("@")
+        if at:
+            out[replica] = out.get(replica, 0) + blocks
+    return out
 
 
 def _exit_for_restart(exc: BaseException) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.engine import BlockClaims, LLMEngine
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -154,6 +154,11 @@ class AsyncEngine:
         """`LLMEngine.tenant_live_blocks`, between two steps."""
         with self._lock:
             return self.engine.tenant_live_blocks()
+
+    def block_claims(self) -> BlockClaims:
+        """`LLMEngine.block_claims`, between two steps."""
+        with self._lock:
+            return self.engine.block_claims()
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""

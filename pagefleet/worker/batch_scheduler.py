@@ -2,13 +2,21 @@
 
 Each step, in order:
 
+0. Priority: when the most important waiting sequence outranks running
+   ones and its first chunk cannot get blocks or a sequence slot, running
+   sequences of lower priority are preempted for it (`_preempt_for_priority`:
+   lowest priority, then most recently admitted), but only when those
+   victims together make enough room; equal or higher priority is never
+   preempted for a waiting sequence.
 1. Running sequences, most important first (highest priority, then earliest
    admitted): each gets its remaining tokens (1 in decode, the next chunk of a
    long prefill) within the step's token budget. When its blocks cannot be
    had, victims are preempted (`preemption.choose_victims`) among the
    running sequences not yet scheduled this step, itself included.
-2. Swapped sequences come back (swap in) when their blocks fit; while any is
-   still out, no new request is admitted, so swapped work is never starved.
+2. Swapped sequences come back (swap in) when their blocks fit, unless a
+   waiting sequence outranks them; while any is still out, no waiting
+   sequence of its priority or lower is admitted, so swapped work is never
+   starved by its peers (a higher-priority arrival may still go first).
 3. Waiting sequences are admitted in order (higher priority first, then
    first come) within `max_num_seqs` and the budget, each reusing its longest
    cached prefix (the last token is always computed: its logits are needed):
@@ -40,7 +48,12 @@ from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import KVCache
 from pagefleet.worker.offload import KVTier, revive_offloaded
-from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_victims
+from pagefleet.worker.preemption import (
+    VictimCandidate,
+    choose_mode,
+    choose_victims,
+    victim_order,
+)
 from pagefleet.worker.sequence import Sequence, SequenceStatus, SwappedKV
 from pagefleet.worker.tenant_quota import TenantBlockQuota
 
@@ -163,10 +176,12 @@ class BatchScheduler:
         out = SchedulerOutput()
         self._protect_waiting_prefixes()
         budget = self.config.max_num_batched_tokens
+        self._preempt_for_priority(budget)
         budget = self._schedule_running(out, budget)
         budget = self._schedule_swapped(out, budget)
-        if not self.swapped:
-            self._schedule_waiting(out, budget)
+        # Swapped work outranks waiting work of its priority or lower (never starved).
+        floor = max((s.priority for s in self.swapped), default=None)
+        self._schedule_waiting(out, budget, above=floor)
         self.cow_copies += len(out.copies)
         return out
 
@@ -195,6 +210,52 @@ class BatchScheduler:
                 break
         for hashes in reversed(wanted):
             self.pool.touch(reversed(hashes))
+
+    def _preempt_for_priority(self, budget: int) -> None:
+        """Preempt lower-priority running sequences so the most important waiting one fits.
+
+        Its need is estimated before the step: a sequence slot, and blocks for
+        its first chunk including the prefix it would reuse (a cached block it
+        revives is taken from the allocatable ones). Nothing is preempted
+        unless the victims' own blocks (those no other sequence shares) and
+        slots together cover that need: a preemption that cannot seat it
+        would only throw work away.
+        """
+        if not self.waiting or not self.running:
+            return
+        head = max(self.waiting, key=lambda s: s.priority)  # the first of the highest
+        lower = [s for s in self.running if s.priority < head.priority]
+        if not lower:
+            return
+        bs = self.block_size
+        hits = 0
+        if self.config.enable_prefix_caching:
+            for h in head.full_block_hashes(head.num_tokens - 1, bs):
+                if not self.pool.is_cached(h):
+                    break
+                hits += 1
+        n = min(head.num_tokens - hits * bs, budget)
+        need = -(-(hits * bs + n) // bs)
+        blocks = need - self.pool.num_allocatable
+        slots = len(self.running) + 1 - self.config.max_num_seqs
+        if blocks <= 0 and slots <= 0:
+            return
+        if self.quota.excess(head.request.salt, need, self.running, self.swapped) > 0:
+            return  # its tenant's cap holds it back, not the lack of room
+        victims: list[Sequence] = []
+        by_id = {s.seq_id: s for s in lower}
+        for cand in victim_order(_candidates(lower)):
+            if blocks <= 0 and slots <= 0:
+                break
+            victim = by_id[cand.request_id]
+            victims.append(victim)
+            assert victim.table is not None
+            blocks -= sum(1 for b in victim.table.block_ids if self.pool.ref_count(b) == 1)
+            slots -= 1
+        if blocks > 0 or slots > 0:
+            return  # all of them together could not seat it
+        for victim in victims:
+            self.preempt(victim)
 
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
@@ -260,8 +321,12 @@ class BatchScheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=_importance)
         bs = self.block_size
+        # A waiting sequence of higher priority goes first (it may have preempted these).
+        outranked_by = max((s.priority for s in self.waiting), default=None)
         while self.swapped and self._room(out, budget):
             seq = self.swapped[0]
+            if outranked_by is not None and seq.priority < outranked_by:
+                break
             assert seq.swapped is not None
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.can_allocate(-(-(seq.num_computed_tokens + n) // bs)):
@@ -287,7 +352,8 @@ class BatchScheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, above: int | None) -> None:
+        """Admit waiting sequences in order; with `above`, only those of higher priority."""
         if any(s.priority != 0 for s in self.waiting):
             self.waiting = deque(sorted(self.waiting, key=lambda s: -s.priority))  # stable
         bs = self.block_size
@@ -298,6 +364,8 @@ class BatchScheduler:
         passed: list[Sequence] = []
         while self.waiting and self._room(out, budget):
             seq = self.waiting[0]
+            if above is not None and seq.priority <= above:
+                break  # swapped work of this priority or higher comes back first
             # The last prompt token is always computed: its logits are needed.
             hashes = seq.full_block_hashes(seq.num_tokens - 1, bs) if caching else []
             if inflight and self._follows_inflight(hashes, inflight):

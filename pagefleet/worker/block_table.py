@@ -14,6 +14,25 @@ from dataclasses import dataclass, field
 from pagefleet.worker.block_pool import BlockPool
 
 
+def blocks_to_finish(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a sequence holds when it has generated `max_tokens` (its most).
+
+    The last generated token is never written to the cache, so a request of
+    `num_prompt_tokens + max_tokens` tokens writes one token less.
+    """
+    return -(-max(num_prompt_tokens + max_tokens - 1, 1) // block_size)
+
+
+def request_claim(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
+    """Blocks a request of `n` completions holds when each reaches `max_tokens`.
+
+    The completions share the prompt's full blocks (copy-on-write forks); each
+    needs its own blocks from there on.
+    """
+    one = blocks_to_finish(num_prompt_tokens, max_tokens, block_size)
+    return one + (n - 1) * (one - num_prompt_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class AppendResult:
     """What `BlockTable.append_slots` reserved.

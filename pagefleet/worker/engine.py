@@ -14,12 +14,14 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagefleet.worker.batch_scheduler import BatchScheduler
 from pagefleet.worker.block_pool import BlockPool
+from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
@@ -29,6 +31,16 @@ from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampler import sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class BlockClaims:
+    """`LLMEngine.block_claims`: blocks still to allocate, and per priority
+    (requests, blocks they claim in all)."""
+
+    committed: int
+    by_priority: dict[int, tuple[int, int]]
+    by_request: dict[str, int]  # blocks each request claims in all
 
 
 class RequestError(ValueError):
@@ -149,9 +161,8 @@ class LLMEngine:
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
-        # The last generated token is never written to the cache.
         bs = self.config.block_size
-        blocks = -(-(total - 1) // bs)
+        blocks = blocks_to_finish(len(prompt_ids), params.max_tokens, bs)
         if blocks > self.pool.num_blocks:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
@@ -166,7 +177,7 @@ class LLMEngine:
         # A request its tenant's cap can never hold would wait forever: refuse it now.
         cap = self.scheduler.quota.cap(salt)
         bs = self.config.block_size
-        blocks = -(-(len(prompt_ids) + params.max_tokens - 1) // bs)
+        blocks = blocks_to_finish(len(prompt_ids), params.max_tokens, bs)
         if cap is not None and blocks > cap:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
@@ -428,6 +439,42 @@ class LLMEngine:
             if seq.table is not None:
                 held.setdefault(seq.request.salt or "", set()).update(seq.table.block_ids)
         return {salt: len(blocks) for salt, blocks in held.items()}
+
+    def block_claims(self) -> BlockClaims:
+        """What the requests here will still take from the pool, and who could be preempted.
+
+        A request claims the blocks it holds when each of its completions
+        reaches `max_tokens` (capped by `max_model_len`; `request_claim`);
+        `committed` is what its sequences (running, swapped or waiting) do not
+        hold yet. Prefix blocks shared with other requests count for each, and
+        a finished completion's part until its request ends: overestimates, on
+        the safe side for admission.
+        """
+        bs = self.config.block_size
+        held: dict[str, set[int]] = {}
+        requests: dict[str, Request] = {}
+        sched = self.scheduler
+        for seq in [*sched.running, *sched.swapped, *sched.waiting]:
+            requests[seq.request.request_id] = seq.request
+            blocks = held.setdefault(seq.request.request_id, set())
+            if seq.table is not None:
+                blocks.update(seq.table.block_ids)
+        committed = 0
+        by_priority: dict[int, list[int]] = {}
+        by_request: dict[str, int] = {}
+        for request_id, request in requests.items():
+            prompt = len(request.prompt_token_ids)
+            max_tokens = min(request.params.max_tokens, self.max_model_len - prompt)
+            claim = request_claim(prompt, max_tokens, request.params.n, bs)
+            # Its completions share the prompt's blocks: what they hold counts once.
+            committed += max(0, claim - len(held[request_id]))
+            by_request[request_id] = claim
+            entry = by_priority.setdefault(request.priority, [0, 0])
+            entry[0] += 1
+            entry[1] += claim
+        return BlockClaims(
+            committed, {p: (n, b) for p, (n, b) in by_priority.items()}, by_request
+        )
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """Per salt: admissions deferred and sequences preempted because of the tenant's cap."""

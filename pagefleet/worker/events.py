@@ -69,6 +69,24 @@ def _count_map(obj: Mapping[str, Any], name: str) -> dict[str, int]:
     return dict(raw)
 
 
+def _priority_claims(obj: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
+    raw = _get(obj, "priority_claims", dict)
+    out: dict[int, tuple[int, int]] = {}
+    for key, value in raw.items():
+        try:
+            priority = int(key)
+        except (TypeError, ValueError):
+            raise EventDecodeError(f"priority_claims key {key!r} is not an integer") from None
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise EventDecodeError("priority_claims must map a priority to [sequences, blocks]")
+        out[priority] = (value[0], value[1])
+    return out
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One worker's KV pool counters and queue lengths at one moment.
@@ -106,6 +124,14 @@ class LoadReport:
     # Cumulative tokens this worker incarnation has streamed out: the scheduler's
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
+    # Admission against the full request: blocks the requests here will still take to
+    # reach their max_tokens, and per priority (sequences, blocks they claim in all);
+    # the lowest priority is the one a more important arrival could preempt.
+    committed_blocks: int = 0
+    priority_claims: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # Per ingress replica: the blocks its requests here claim in all, so a replica can
+    # swap its own part of the report for its exact, never stale, account.
+    origin_claims: Mapping[str, int] = field(default_factory=dict)
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -124,6 +150,15 @@ class LoadReport:
     def num_allocatable(self) -> int:
         """Blocks a new request could get now: free plus evictable cached ones."""
         return self.free_blocks + self.cached_blocks
+
+    @property
+    def lowest_priority(self) -> int | None:
+        """The lowest priority of a request here (None when there is none)."""
+        return min((p for p, (n, _) in self.priority_claims.items() if n > 0), default=None)
+
+    def claimed_below(self, priority: int) -> int:
+        """Blocks claimed by requests of lower priority than `priority` (what preempting frees)."""
+        return sum(blocks for p, (_, blocks) in self.priority_claims.items() if p < priority)
 
     def encode(self) -> bytes:
         """msgpack bytes of this report."""
@@ -151,6 +186,10 @@ class LoadReport:
                 "incarnation": self.incarnation,
                 **{name: getattr(self, name) for name in _OFFLOAD_FIELDS},
                 "progress": self.progress,
+                "committed": self.committed_blocks,
+                # msgpack map keys must be strings here (strict_map_key)
+                "priority_claims": {str(p): list(c) for p, c in self.priority_claims.items()},
+                "origin_claims": dict(self.origin_claims),
             },
             use_bin_type=True,
         )
@@ -187,6 +226,10 @@ class LoadReport:
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
             **{name: _get(obj, name, int) for name in _OFFLOAD_FIELDS if name in obj},
             progress=_get(obj, "progress", int) if "progress" in obj else 0,
+            # optional: absent in reports from senders that predate admission by claims
+            committed_blocks=_get(obj, "committed", int) if "committed" in obj else 0,
+            priority_claims=_priority_claims(obj) if "priority_claims" in obj else {},
+            origin_claims=_count_map(obj, "origin_claims") if "origin_claims" in obj else {},
         )
 
     @classmethod
@@ -202,6 +245,9 @@ class LoadReport:
         timestamp: float | None = None,
         incarnation: str = "",
         progress: int = 0,
+        committed_blocks: int = 0,
+        priority_claims: Mapping[int, tuple[int, int]] | None = None,
+        origin_claims: Mapping[str, int] | None = None,
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -251,6 +297,9 @@ class LoadReport:
             incarnation=incarnation,
             **{name: pick(name) for name in _OFFLOAD_FIELDS},
             progress=progress,
+            committed_blocks=committed_blocks,
+            priority_claims=dict(priority_claims or {}),
+            origin_claims=dict(origin_claims or {}),
         )
 
 
