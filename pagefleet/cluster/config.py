@@ -196,6 +196,9 @@ class SchedulerConfig:
     worker with room. Below `evict_low_watermark` free blocks (a fraction of a
     worker's pool) the scheduler asks the worker to evict cached blocks until
     `evict_high_watermark` are free; `evict_low_watermark: 0` turns that off.
+    `replica_aware_eviction`: workers evict cached blocks that another worker of
+    the pool also holds before the last copies of a prefix (ahead of need and
+    on allocation); false: plain LRU per worker. `policy: none` turns both off.
     """
 
     policy: str = "watermark"
@@ -208,6 +211,7 @@ class SchedulerConfig:
     stall_timeout_s: float = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: float = 10.0
+    replica_aware_eviction: bool = True
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
@@ -231,13 +235,16 @@ class SchedulerConfig:
             )
 
     def eviction_watermarks(self) -> EvictionWatermarks | None:
-        """The free-block watermarks the scheduler asks workers to keep.
+        """How the scheduler steers workers' eviction: watermarks and replica awareness.
 
-        None (no eviction ahead of need) with `policy: none` or a low mark of 0.
+        None (plain LRU on allocation only) with `policy: none`, or a low mark of 0
+        without replica awareness. A low mark of 0 evicts nothing ahead of need.
         """
-        if self.policy == "none" or self.evict_low_watermark == 0:
+        if self.policy == "none" or (self.evict_low_watermark == 0 and not self.replica_aware_eviction):
             return None
-        return EvictionWatermarks(self.evict_low_watermark, self.evict_high_watermark)
+        return EvictionWatermarks(
+            self.evict_low_watermark, self.evict_high_watermark, self.replica_aware_eviction
+        )
 
 
 DEFAULT_HTTP_PORT = 8000
