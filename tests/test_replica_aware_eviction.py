@@ -30,8 +30,8 @@ def _state_with(
     return state
 
 
-def _keeper(h: bytes, holders: list[str]) -> str:
-    return max(holders, key=lambda w: zlib.crc32(w.encode(), zlib.crc32(h)))
+def _keeper(holders: list[str]) -> str:
+    return max(holders, key=lambda w: (zlib.crc32(w.encode()), w))
 
 
 def test_duplicates_are_shared_hashes_each_kept_by_exactly_one_holder() -> None:
@@ -40,7 +40,10 @@ def test_duplicates_are_shared_hashes_each_kept_by_exactly_one_holder() -> None:
     for h in (H[1], H[2]):
         names = [w for w, hs in holders.items() if h in hs]
         keepers = [w for w in names if h not in state.duplicated_hashes(w)]
-        assert keepers == [_keeper(h, names)]  # the others may drop it first
+        assert keepers == [_keeper(names)]  # the others may drop it first
+    # One keeper for every hash two workers share: a prefix's chain stays whole there.
+    lower = "w1" if _keeper(["w0", "w1"]) == "w0" else "w0"
+    assert {H[1], H[2]} <= state.duplicated_hashes(lower)
     assert H[0] not in state.duplicated_hashes("w0")  # w0's alone: a last copy
     assert state.copies("chat", H[0]) == 1 and state.copies("chat", H[2]) == 3
 
@@ -55,7 +58,7 @@ def test_copies_follow_removals_and_restarts() -> None:
 
 def test_an_ack_names_duplicates_only_when_the_worker_runs_low_and_they_changed() -> None:
     state = _state_with({"w0": [H[1]], "w1": [H[1]]})
-    holder = "w0" if _keeper(H[1], ["w0", "w1"]) == "w1" else "w1"  # the one that drops it first
+    holder = "w0" if _keeper(["w0", "w1"]) == "w1" else "w1"  # the one that drops it first
     empty = KVEventBatch(holder, 2, (), incarnation="p")
     assert state.push(_report(holder, 2, 50), empty).duplicated is None  # half free: no news
     low = state.push(_report(holder, 3, 3), KVEventBatch(holder, 3, (), incarnation="p"))

@@ -399,8 +399,10 @@ class ClusterState:
         its pool holds them and keeps them.
 
         With several holders exactly one keeps each hash (the highest
-        `_keeper_rank`, an even spread), so holders under pressure at once do
-        not all drop it first: the last copy goes last.
+        `_keeper_rank`), so holders under pressure at once do not all drop it
+        first: the last copy goes last. The rank is the worker's, not the
+        hash's: the keeper of a prefix keeps all of its blocks, since a chain
+        cut at one block loses every block after it to lookups.
         """
         entry = self._workers.get(worker_id)
         if entry is None:
@@ -408,19 +410,19 @@ class ClusterState:
         pool = entry.info.pool
         copies = self._copies.get(pool, {})
         now = self._clock()
-        others = [
-            (wid, e.hashes)
+        mine = _keeper_rank(worker_id)
+        above = [
+            e.hashes
             for wid, e in self._workers.items()
-            if e is not entry and e.info.pool == pool and self._alive(e, now)
+            if e.info.pool == pool and _keeper_rank(wid) > mine and self._alive(e, now)
         ]
-        if not others:
+        if not above:
             return frozenset()
         out = []
         for h in entry.hashes:
             if copies.get(h, 0) < 2:
                 continue
-            mine = _keeper_rank(h, worker_id)
-            if any(h in held and _keeper_rank(h, wid) > mine for wid, held in others):
+            if any(h in held for held in above):
                 out.append(h)
         return frozenset(out)
 
@@ -594,6 +596,6 @@ def _uncount(copies: dict[bytes, int], block_hash: bytes) -> None:
         copies.pop(block_hash, None)
 
 
-def _keeper_rank(block_hash: bytes, worker_id: str) -> int:
+def _keeper_rank(worker_id: str) -> tuple[int, str]:
     """Which holder keeps a duplicated hash: the highest rank (stable across processes)."""
-    return zlib.crc32(worker_id.encode(), zlib.crc32(block_hash))
+    return zlib.crc32(worker_id.encode()), worker_id
