@@ -202,11 +202,10 @@ class BlockPool:
         else:
             evicted = n - self._num_free
             spilled: list[tuple[bytes, int]] = []
-            while len(out) < n:
-                if b == d:
+            for _ in range(n):
+                if b == d:  # at most once, and enough blocks follow it
                     passed_divider = True
                     b = nxt[b]
-                    continue
                 out.append(b)
                 ref[b] = 1
                 if hashes[b] is not None:
@@ -248,18 +247,20 @@ class BlockPool:
         evicted later.
         """
         ref, hashes, nxt, prev = self._ref, self._hash, self._next, self._prev
-        s, d, duplicated = self._sentinel, self._divider, self._duplicated
+        s, d, duplicated, at = self._sentinel, self._divider, self._duplicated, self._released_at
+        clock = self._clock
         for b in block_ids:
             r = ref[b] - 1
             if r < 0:
+                self._clock = clock
                 raise ValueError(f"block {b} freed more often than it was allocated")
             ref[b] = r
             if r:
                 continue
             h = hashes[b]
             if h is not None:
-                self._clock += 1
-                self._released_at[b] = self._clock
+                clock += 1
+                at[b] = clock
                 end = d if h in duplicated else s
                 tail = prev[end]
                 nxt[tail] = b
@@ -274,6 +275,7 @@ class BlockPool:
                 prev[b] = s
                 nxt[s] = b
                 self._num_free += 1
+        self._clock = clock
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each live block (a fork shares its parent's blocks)."""
