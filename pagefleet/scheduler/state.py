@@ -46,6 +46,8 @@ DEAD_REPLICA_MEMORY_S = 300.0
 # Below this share of free blocks a worker may soon evict: its acks carry which of
 # its hashes are duplicated elsewhere (when that changed). Above it nothing is sent.
 DUPLICATES_BELOW_FREE = 0.25
+# ...computed at most this often per worker.
+DUPLICATES_INTERVAL_S = 0.4
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class _Entry:
     __slots__ = (
         "checked_at",
         "drift_blocks",
+        "duplicated_at",
         "duplicated_sent",
         "has_work",
         "hashes",
@@ -178,6 +181,7 @@ class _Entry:
         self.published_stalled = False
         # As the worker last heard it; a worker starts (and registers) with none.
         self.duplicated_sent: frozenset[bytes] = frozenset()
+        self.duplicated_at = -float("inf")
 
 
 class ClusterState:
@@ -240,6 +244,7 @@ class ClusterState:
             entry.report = None
             entry.kv_seq = None
             entry.duplicated_sent = frozenset()
+            entry.duplicated_at = -float("inf")
         self._publish(entry)
         return self.generation
 
@@ -409,21 +414,17 @@ class ClusterState:
             return frozenset()
         pool = entry.info.pool
         copies = self._copies.get(pool, {})
+        shared = {h for h in entry.hashes if copies.get(h, 0) > 1}
         now = self._clock()
         mine = _keeper_rank(worker_id)
-        above = [
-            e.hashes
-            for wid, e in self._workers.items()
-            if e.info.pool == pool and _keeper_rank(wid) > mine and self._alive(e, now)
-        ]
-        if not above:
-            return frozenset()
-        out = []
-        for h in entry.hashes:
-            if copies.get(h, 0) < 2:
-                continue
-            if any(h in held for held in above):
-                out.append(h)
+        out: set[bytes] = set()
+        for wid, e in self._workers.items():
+            if not shared:
+                break
+            if e.info.pool == pool and _keeper_rank(wid) > mine and self._alive(e, now):
+                kept = shared & e.hashes  # set operations: C speed, the smaller side walked
+                out |= kept
+                shared -= kept
         return frozenset(out)
 
     def _duplicates_news(self, entry: _Entry) -> tuple[bytes, ...] | None:
@@ -434,6 +435,10 @@ class ClusterState:
             return None
         if report.free_blocks >= DUPLICATES_BELOW_FREE * report.total_blocks:
             return None
+        now = self._clock()
+        if now - entry.duplicated_at < DUPLICATES_INTERVAL_S:
+            return None  # the walk costs O(pool workers) set operations: not on every push
+        entry.duplicated_at = now
         current = self.duplicated_hashes(entry.info.worker_id)
         if current == entry.duplicated_sent:
             return None
