@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 
 from pagefleet.scheduler.policy import EvictionWatermarks
-from pagefleet.scheduler.state import ClusterState
+from pagefleet.scheduler.state import DUPLICATES_INTERVAL_S, ClusterState, PushResult
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
@@ -18,15 +18,23 @@ def _report(wid: str, seq: int, free: int, incarnation: str = "p") -> LoadReport
     return LoadReport(wid, "chat", seq, 0.0, 100, free, 0, 100 - free, 0, incarnation=incarnation)
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _state_with(
-    holdings: dict[str, list[bytes]], *, free: int = 50, replica_aware: bool = True
+    holdings: dict[str, list[bytes]], *, replica_aware: bool = True, clock: Clock | None = None
 ) -> ClusterState:
     marks = EvictionWatermarks(0.05, 0.10, replica_aware)
-    state = ClusterState(generation=1, eviction=marks)
+    state = ClusterState(generation=1, eviction=marks, clock=clock or Clock(), report_timeout_s=1e9)
     for wid, hashes in holdings.items():
         state.register_worker(WorkerInfo(wid, "chat", 100))
         batch = KVEventBatch(wid, 1, tuple(("stored", h) for h in hashes), True, "p")
-        state.push(_report(wid, 1, free), batch)
+        state.push(_report(wid, 1, 50), batch)
     return state
 
 
@@ -57,14 +65,24 @@ def test_copies_follow_removals_and_restarts() -> None:
 
 
 def test_an_ack_names_duplicates_only_when_the_worker_runs_low_and_they_changed() -> None:
-    state = _state_with({"w0": [H[1]], "w1": [H[1]]})
-    holder = "w0" if _keeper(["w0", "w1"]) == "w1" else "w1"  # the one that drops it first
-    empty = KVEventBatch(holder, 2, (), incarnation="p")
-    assert state.push(_report(holder, 2, 50), empty).duplicated is None  # half free: no news
-    low = state.push(_report(holder, 3, 3), KVEventBatch(holder, 3, (), incarnation="p"))
-    assert low.duplicated == (H[1],) and low.evict_blocks == 7
-    again = state.push(_report(holder, 4, 3), KVEventBatch(holder, 4, (), incarnation="p"))
-    assert again.duplicated is None  # unchanged: the worker keeps what it has
+    clock = Clock()
+    state = _state_with({"w0": [H[1], H[2]], "w1": [H[1], H[2]]}, clock=clock)
+    holder = "w0" if _keeper(["w0", "w1"]) == "w1" else "w1"  # the one that drops them first
+    keeper = "w1" if holder == "w0" else "w0"
+
+    def push(wid: str, seq: int, free: int, events: tuple[tuple[str, bytes], ...] = ()) -> PushResult:
+        return state.push(_report(wid, seq, free), KVEventBatch(wid, seq, events, incarnation="p"))
+
+    assert push(holder, 2, 50).duplicated is None  # half free: no news
+    low = push(holder, 3, 3)
+    assert low.duplicated is not None and set(low.duplicated) == {H[1], H[2]}
+    assert low.evict_blocks == 7
+    clock.now += DUPLICATES_INTERVAL_S
+    assert push(holder, 4, 3).duplicated is None  # unchanged: the worker keeps what it has
+    push(keeper, 2, 50, (("removed", H[2]),))
+    assert push(holder, 5, 3).duplicated is None  # changed, but computed too recently
+    clock.now += DUPLICATES_INTERVAL_S
+    assert push(holder, 6, 3).duplicated == (H[1],)
 
 
 def test_switched_off_the_acks_name_no_duplicates() -> None:
