@@ -13,9 +13,19 @@ For each policy it prints the prefix hit rate (cached prompt tokens / prompt
 tokens, from the responses' usage), that rate as a share of the ideal of one
 shared cache (every request but the first of its group hits the whole shared
 prefix), TTFT p50/p99 and throughput, then ratios against round_robin
-measured in the same run.
+measured on the same cluster.
+
+`--ingress-replicas 1,2,4` starts one cluster per count; the client opens one
+connection per ingress replica (new connections until the kernel's
+SO_REUSEPORT spread has reached each) and sends the arrivals to the replicas
+in turn, and each row also gives its hit rate against the same policy's
+single-replica run. `--eviction lru,replica_aware` starts one cluster per
+mode (`scheduler.replica_aware_eviction` false / true) and adds the workers'
+evictions and how many of them took blocks another worker also held.
 
     python benchmarks/routing.py            # 4 workers, 8 groups x 16 requests
+    python benchmarks/routing.py --ingress-replicas 1,2,4
+    python benchmarks/routing.py --eviction lru,replica_aware --groups 12 --policies prefix_affinity,round_robin
     python benchmarks/routing.py --smoke    # 2 workers, tiny workload (a test runs this)
 """
 
@@ -23,20 +33,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import ray
 
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import NAMESPACE, RunningCluster, start_cluster
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.scheduler.actor import SCHEDULER_NAME
 
 BLOCK_SIZE = 16
 POLICIES = ("prefix_affinity", "round_robin", "least_loaded")
+EVICTION_MODES = {"lru": False, "replica_aware": True}  # -> scheduler.replica_aware_eviction
+REPLICA_KEY = "x-pagefleet-replica"  # initial metadata naming the ingress replica of a stream
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,10 @@ class Result:
     ttft_p99: float
     tokens_per_s: float
     requests: int
+    replicas: int = 1
+    eviction: str = "replica_aware"
+    evictions: int = 0
+    duplicate_evictions: int = 0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -118,36 +137,117 @@ async def one_request(
     )
 
 
-async def run_policy(target: str, prompts: list[tuple[list[int], int]], workload: Workload) -> tuple[list[tuple[float, int, int, int]], float]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        tasks = []
-        start = time.perf_counter()
-        for prompt, _ in prompts:
-            tasks.append(asyncio.create_task(one_request(stub, prompt, workload.max_tokens)))
-            await asyncio.sleep(workload.interval_s)
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+async def replica_channels(target: str, replicas: int) -> list[grpc.aio.Channel]:
+    """One channel per ingress replica: new connections (a local subchannel pool each)
+    until the kernel has handed one to every replica listening on the port."""
+    found: dict[str, grpc.aio.Channel] = {}
+    probe = pb.GenerateRequest(prompt="probe", sampling=pb.SamplingParams(max_tokens=1))
+    for _ in range(20 * replicas):
+        if len(found) == replicas:
+            break
+        channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        call = pb_grpc.GenerationStub(channel).Generate(probe, timeout=600)
+        replica = dict(await call.initial_metadata())[REPLICA_KEY]
+        async for _ in call:
+            pass
+        if replica in found:
+            await channel.close()
+        else:
+            found[replica] = channel
+    if len(found) < replicas:
+        raise RuntimeError(f"reached {len(found)} of {replicas} ingress replicas in {20 * replicas} connections")
+    return list(found.values())
 
 
-def measure(cluster: RunningCluster, tokenizer: object, policy: str, workload: Workload) -> Result:
-    cluster.ingress.set_router_policy.remote(policy).result()
-    prompts = build_prompts(tokenizer, workload, policy)
-    results, wall = asyncio.run(run_policy(cluster.grpc_target, prompts, workload))
-    prompt_tokens = sum(r[1] for r in results)
-    ttfts = [r[0] for r in results]
-    return Result(
-        policy=policy,
-        hit_rate=sum(r[2] for r in results) / prompt_tokens,
-        ideal_hit_rate=sum(ideal for _, ideal in prompts) / prompt_tokens,
-        ttft_p50=percentile(ttfts, 0.5),
-        ttft_p99=percentile(ttfts, 0.99),
-        tokens_per_s=sum(r[3] for r in results) / wall,
-        requests=len(results),
-    )
+async def set_policy(cluster: RunningCluster, channels: list[grpc.aio.Channel], policy: str) -> None:
+    """Switch every replica's router: Serve spreads the calls, GetStatus on each replica's
+    channel confirms."""
+    for _ in range(50):
+        for _ in channels:
+            await cluster.ingress.set_router_policy.remote(policy)
+        statuses = [await pb_grpc.GenerationStub(c).GetStatus(pb.StatusRequest()) for c in channels]
+        if all(p.router_policy == policy for s in statuses for p in s.pools):
+            return
+    raise RuntimeError(f"not every ingress replica switched to {policy}")
 
 
-def cluster_config(workers: int, num_kv_blocks: int, max_num_seqs: int) -> ClusterConfig:
+async def run_policy(
+    channels: list[grpc.aio.Channel], prompts: list[tuple[list[int], int]], workload: Workload
+) -> tuple[list[tuple[float, int, int, int]], float]:
+    stubs = [pb_grpc.GenerationStub(c) for c in channels]
+    tasks = []
+    start = time.perf_counter()
+    for i, (prompt, _) in enumerate(prompts):
+        # Arrivals go to the replicas in turn, as a load balancer in front would spread them.
+        tasks.append(asyncio.create_task(one_request(stubs[i % len(stubs)], prompt, workload.max_tokens)))
+        await asyncio.sleep(workload.interval_s)
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def wait_until_gone(config: ClusterConfig, timeout_s: float = 120.0) -> None:
+    """Until the killed scheduler and workers have let go of their names: the next
+    cluster must not find (get_if_exists) the dying scheduler."""
+    names = [SCHEDULER_NAME] + [f"pagefleet-worker-{p.name}-{i}" for p in config.pools for i in range(p.workers)]
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"actor {name} still alive {timeout_s:.0f} s after the shutdown")
+            time.sleep(0.5)
+
+
+def worker_evictions(cluster: RunningCluster) -> tuple[int, int]:
+    """(evictions, of them blocks duplicated elsewhere) summed over the cluster's workers."""
+    handles = [h for pool in cluster.workers.values() for _, h in pool]
+    stats = ray.get([h.stats.remote() for h in handles])
+    return sum(int(s["evictions"]) for s in stats), sum(int(s["duplicate_evictions"]) for s in stats)
+
+
+async def measure_cluster(
+    cluster: RunningCluster, tokenizer: object, policies: Sequence[str], workload: Workload,
+    replicas: int, eviction: str,
+) -> list[Result]:  # fmt: skip
+    """Every policy on one cluster, arrivals spread over its `replicas` ingress replicas."""
+    channels = await replica_channels(cluster.grpc_target, replicas)
+    out = []
+    try:
+        for policy in policies:
+            await set_policy(cluster, channels, policy)
+            prompts = build_prompts(tokenizer, workload, policy)
+            before = worker_evictions(cluster)
+            results, wall = await run_policy(channels, prompts, workload)
+            after = worker_evictions(cluster)
+            prompt_tokens = sum(r[1] for r in results)
+            ttfts = [r[0] for r in results]
+            out.append(
+                Result(
+                    policy=policy,
+                    hit_rate=sum(r[2] for r in results) / prompt_tokens,
+                    ideal_hit_rate=sum(ideal for _, ideal in prompts) / prompt_tokens,
+                    ttft_p50=percentile(ttfts, 0.5),
+                    ttft_p99=percentile(ttfts, 0.99),
+                    tokens_per_s=sum(r[3] for r in results) / wall,
+                    requests=len(results),
+                    replicas=replicas,
+                    eviction=eviction,
+                    evictions=after[0] - before[0],
+                    duplicate_evictions=after[1] - before[1],
+                )
+            )
+    finally:
+        for channel in channels:
+            await channel.close()
+    return out
+
+
+def cluster_config(
+    workers: int, num_kv_blocks: int, max_num_seqs: int, replicas: int = 1, replica_aware: bool = True
+) -> ClusterConfig:
     return ClusterConfig.from_dict(
         {
             "pools": [
@@ -162,22 +262,32 @@ def cluster_config(workers: int, num_kv_blocks: int, max_num_seqs: int) -> Clust
                     "device": "cpu",
                 }
             ],
-            "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
+            "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None, "ingress_replicas": replicas},
+            "scheduler": {"replica_aware_eviction": replica_aware},
         }
     )
 
 
 def format_table(results: list[Result]) -> str:
-    base = next((r for r in results if r.policy == "round_robin"), results[0])
+    """One row per run; ratios against round robin on the same cluster, hit rate against
+    the same policy and eviction with one ingress replica."""
     lines = [
         f"{'policy':<16} {'hit rate':>8} {'of ideal':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'tok/s':>7} {'p99 vs RR':>9} {'tok/s vs RR':>11}"
+        f"{'tok/s':>7} {'p99 vs RR':>9} {'tok/s vs RR':>11} {'replicas':>8} {'hit vs 1':>8} "
+        f"{'eviction':>13} {'evictions':>9} {'duplicates':>10}"
     ]
     for r in results:
+        same_cluster = [x for x in results if (x.replicas, x.eviction) == (r.replicas, r.eviction)]
+        base = next((x for x in same_cluster if x.policy == "round_robin"), same_cluster[0])
+        single = next(
+            (x for x in results if (x.policy, x.eviction, x.replicas) == (r.policy, r.eviction, 1)), None
+        )
+        vs_single = f"{100 * r.hit_rate / single.hit_rate:7.1f}%" if single and single.hit_rate else "      - "
         lines.append(
             f"{r.policy:<16} {100 * r.hit_rate:7.1f}% {100 * r.hit_rate / r.ideal_hit_rate:7.1f}% "
             f"{1000 * r.ttft_p50:7.0f}ms {1000 * r.ttft_p99:7.0f}ms {r.tokens_per_s:7.1f} "
-            f"{base.ttft_p99 / r.ttft_p99:8.2f}x {r.tokens_per_s / base.tokens_per_s:10.2f}x"
+            f"{base.ttft_p99 / r.ttft_p99:8.2f}x {r.tokens_per_s / base.tokens_per_s:10.2f}x "
+            f"{r.replicas:>8} {vs_single} {r.eviction:>13} {r.evictions:>9} {r.duplicate_evictions:>10}"
         )
     return "\n".join(lines)
 
@@ -193,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=64, help="per worker, 16 tokens each")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--ingress-replicas", default="1", metavar="N[,N...]",
+                        help="ingress replicas, one cluster per count, e.g. 1,2,4")
+    parser.add_argument("--eviction", default="replica_aware", metavar="MODE[,MODE...]",
+                        help=f"worker eviction, one cluster per mode: {', '.join(EVICTION_MODES)}")
     parser.add_argument("--smoke", action="store_true", help="2 workers, a tiny workload: seconds")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -206,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval_s=args.interval_ms / 1000,
     )
     policies = [p for p in args.policies.split(",") if p]
+    counts = [int(x) for x in args.ingress_replicas.split(",") if x]
+    modes = [m for m in args.eviction.split(",") if m]
+    if not counts or min(counts) < 1:
+        parser.error(f"--ingress-replicas: counts must be >= 1, got {args.ingress_replicas!r}")
+    unknown = [m for m in modes if m not in EVICTION_MODES]
+    if unknown or not modes:
+        parser.error(f"--eviction: one or more of {', '.join(EVICTION_MODES)}, got {args.eviction!r}")
     print(
         f"routing benchmark: {args.workers} CPU workers x {args.num_kv_blocks} blocks of {BLOCK_SIZE} tokens, "
         f"{workload.groups} groups x {workload.per_group} requests, shared prefix {workload.prefix_tokens} "
@@ -215,13 +336,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagefleet.cluster.prompts import load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
-    cluster = start_cluster(
-        cluster_config(args.workers, args.num_kv_blocks, args.max_num_seqs), grpc_port=0, metrics_port=None
-    )
+    results: list[Result] = []
+    several = len(modes) * len(counts) > 1
+    if several:
+        # One Ray for every cluster: starting Ray again in this process after a shutdown
+        # times out on a loaded machine, and each start costs tens of seconds.
+        ray.init(namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, args.workers), include_dashboard=False)
     try:
-        results = [measure(cluster, tokenizer, policy, workload) for policy in policies]
+        for mode in modes:
+            for replicas in counts:
+                config = cluster_config(
+                    args.workers, args.num_kv_blocks, args.max_num_seqs, replicas, EVICTION_MODES[mode]
+                )
+                cluster = start_cluster(config, grpc_port=0, metrics_port=None)
+                try:
+                    results += asyncio.run(
+                        measure_cluster(cluster, tokenizer, policies, workload, replicas, mode)
+                    )
+                finally:
+                    cluster.shutdown()
+                    if several:
+                        wait_until_gone(config)
+                if several:
+                    print(format_table(results), flush=True)  # so far: a long run shows progress
     finally:
-        cluster.shutdown()
+        if several:
+            ray.shutdown()
     print(format_table(results))
     return 0
 

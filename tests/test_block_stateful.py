@@ -10,8 +10,10 @@ tables hand out, and after every step checks the pool against a model:
   ever lands in a block another sequence still sees);
 - every registered hash points at a block holding exactly the tokens it was
   computed from (a prefix hit can never return wrong KV);
-- cached blocks are evicted in LRU order (release order, tail blocks first),
-  and only when no never-hashed free block is left;
+- cached blocks are evicted duplicated ones first (those `mark_duplicated`
+  named: another worker holds them), then last copies, each class in LRU
+  order (release order, tail blocks first), and only when no never-hashed
+  free block is left;
 - with the offload tier behind the pool (`TIER_BLOCKS` blocks, LRU): every
   evicted block spills there with its K/V, the tier holds exactly the model's
   hashes, and a lookup that misses the pool revives the tier's run into fresh
@@ -66,7 +68,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # must contain; the cached (ref 0) ones in LRU order; evictions so far.
         self.registry: dict[bytes, int] = {}
         self.contents: dict[bytes, tuple[int, ...]] = {}
+        # Cached last copies and cached duplicates, each LRU first; the hashes marked
+        # duplicated; when each cached block was last released.
         self.lru: OrderedDict[bytes, int] = OrderedDict()
+        self.dup_lru: OrderedDict[bytes, int] = OrderedDict()
+        self.duplicated: set[bytes] = set()
+        self.released_at: dict[bytes, int] = {}
+        self.clock = 0
         self.evictions = 0
         self.tier_model: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # LRU first
 
@@ -90,7 +98,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         try:
             result = seq.table.append_slots(n)
         except NoFreeBlocks:
-            assert needed > free_before + len(self.lru)
+            assert needed > free_before + self.num_cached()
             assert (seq.table.block_ids, seq.table.num_tokens, self.pool.stats()) == before
             return False
         self.model_evict(max(0, needed - free_before))
@@ -99,10 +107,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return True
 
     def model_evict(self, n: int) -> None:
-        """The pool evicted its `n` LRU cached blocks: they spill to the tier, in order."""
+        """The pool evicted its next `n` cached blocks (duplicates first, then last copies,
+        LRU in each): they spill to the tier, in order."""
         for _ in range(n):
-            h, _block = self.lru.popitem(last=False)
-            assert not self.pool.is_cached(h), "a cached block was evicted out of LRU order"
+            queue = self.dup_lru if self.dup_lru else self.lru
+            h, _block = queue.popitem(last=False)
+            assert not self.pool.is_cached(h), "a cached block was evicted out of order"
+            self.duplicated.discard(h)
             del self.registry[h]
             contents = self.contents.pop(h)
             if h in self.tier_model:
@@ -122,7 +133,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def revive(self, hashes: list[bytes]) -> list[int]:
         """revive_offloaded on the hashes after the pool's hit, checked against the model."""
         free_before = self.pool.stats().free
-        k = min(self.model_tier_run(hashes), free_before + len(self.lru))
+        k = min(self.model_tier_run(hashes), free_before + self.num_cached())
         blocks = revive_offloaded(self.pool, self.tier, hashes)
         self.model_evict(max(0, k - free_before))
         still = self.model_tier_run(hashes[:k])
@@ -156,7 +167,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for b in reversed(blocks):  # the pool releases tail first: that is the LRU order
             h = self.pool.block_hash(b)
             if refs.get(b, 0) == 0 and h is not None:
-                self.lru[h] = b
+                self.clock += 1
+                self.released_at[h] = self.clock
+                (self.dup_lru if h in self.duplicated else self.lru)[h] = b
+
+    def num_cached(self) -> int:
+        return len(self.lru) + len(self.dup_lru)
 
     # ------------------------------------------------------------------ rules
 
@@ -179,6 +195,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert hits == [self.registry[h] for h in hashes[:expected_hits]]
         for h in hashes[:expected_hits]:
             self.lru.pop(h, None)  # revived: out of the free queue
+            self.dup_lru.pop(h, None)
         seq = Seq(BlockTable(self.pool), tokens, salt, hashes[:expected_hits])
         seq.table.append_cached(hits)
         if expected_hits < len(hashes):
@@ -218,9 +235,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 4))
     def evict(self, n: int) -> None:
-        expected = min(n, len(self.lru))
+        expected = min(n, self.num_cached())
         assert self.pool.evict_cached(n) == expected
         self.model_evict(expected)
+
+    @rule(picks=st.lists(st.integers(0, 10**6), max_size=6), unknown=st.booleans())
+    def mark_duplicated(self, picks: list[int], unknown: bool) -> None:
+        """The scheduler's latest word on which hashes another worker holds."""
+        registered = sorted(self.registry)
+        named = {registered[p % len(registered)] for p in picks} if registered else set()
+        self.pool.mark_duplicated([*named, *([b"unknown" * 2] if unknown else [])])
+        old, self.duplicated = self.duplicated, named
+        # Blocks changing class join the new one's tail, in release order.
+        for moved, src, dst in ((old - named, self.dup_lru, self.lru), (named - old, self.lru, self.dup_lru)):
+            for h in sorted((h for h in moved if h in src), key=self.released_at.__getitem__):
+                dst[h] = src.pop(h)
 
     # ------------------------------------------------------------- invariants
 
@@ -241,7 +270,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.pool.ref_count(b) == refs.get(b, 0)
         stats = self.pool.stats()
         assert stats.live == len(refs)
-        assert stats.cached == len(self.lru)
+        assert stats.cached == self.num_cached()
         assert stats.evictions == self.evictions
 
     @invariant()
@@ -255,8 +284,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for h, block in self.registry.items():
             assert self.pool.is_cached(h) and self.pool.block_hash(block) == h
             assert tuple(self.tokens_at(block * BS, (block + 1) * BS)) == self.contents[h]
-        for h, block in self.lru.items():
+        for h, block in [*self.lru.items(), *self.dup_lru.items()]:
             assert self.pool.ref_count(block) == 0 and self.registry[h] == block
+        for h in self.registry:
+            assert self.pool.is_duplicated(h) == (h in self.duplicated)
 
     def teardown(self) -> None:
         for seq in list(self.seqs):
@@ -266,7 +297,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stats = self.pool.stats()
         assert stats.live == 0
         assert stats.free + stats.cached == stats.total == NUM_BLOCKS
-        assert stats.cached == len(self.lru)
+        assert stats.cached == self.num_cached()
 
 
 BlockManagerMachine.TestCase.settings = settings(

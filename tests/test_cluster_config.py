@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from pagefleet.cluster.config import ClusterConfig, ConfigError, PoolConfig, parse_bytes
+from pagefleet.scheduler.policy import blocks_to_evict
 from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.events import LoadReport
 
 MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "pagefleet.yaml"
 
@@ -188,8 +190,29 @@ def test_eviction_watermarks_come_from_the_scheduler_section_and_zero_turns_them
     )
     marks = on.scheduler.eviction_watermarks()
     assert marks is not None and (marks.low, marks.high) == (0.2, 0.3)
-    off = ClusterConfig.from_dict({"pools": pools, "scheduler": {"evict_low_watermark": 0}})
+    off = ClusterConfig.from_dict(
+        {"pools": pools, "scheduler": {"evict_low_watermark": 0, "replica_aware_eviction": False}}
+    )
     assert off.scheduler.eviction_watermarks() is None
+
+
+def test_a_zero_low_watermark_evicts_nothing_ahead_but_keeps_replica_awareness() -> None:
+    config = ClusterConfig.from_dict({"pools": [{"name": "default"}], "scheduler": {"evict_low_watermark": 0}})
+    marks = config.scheduler.eviction_watermarks()
+    assert marks is not None and marks.low == 0 and marks.replica_aware
+    starving = LoadReport("w", "default", 1, 0.0, 100, 0, 50, 50, 50)
+    assert blocks_to_evict(starving, marks) == 0
+
+
+def test_replica_aware_eviction_is_on_by_default_and_must_be_a_bool() -> None:
+    pools = [{"name": "default"}]
+    marks = ClusterConfig.from_dict({"pools": pools}).scheduler.eviction_watermarks()
+    assert marks is not None and marks.replica_aware
+    off = ClusterConfig.from_dict({"pools": pools, "scheduler": {"replica_aware_eviction": False}})
+    marks = off.scheduler.eviction_watermarks()
+    assert marks is not None and not marks.replica_aware
+    with pytest.raises(ConfigError, match="replica_aware_eviction: must be bool"):
+        ClusterConfig.from_dict({"pools": pools, "scheduler": {"replica_aware_eviction": "yes"}})
 
 
 def test_scheduler_policy_none_turns_eviction_ahead_of_need_off() -> None:

@@ -164,11 +164,12 @@ def test_explicit_eviction_spills_too() -> None:
     assert tier.match(h) == 2
 
 
-def test_eviction_by_hash_spills_too() -> None:
-    # The scheduler's replica-aware hints evict by hash: the tier keeps those as well.
+def test_eviction_of_a_block_duplicated_elsewhere_spills_too() -> None:
+    # Replica-aware eviction takes the duplicated block first: the tier keeps it as well.
     tier, pool, h = two_cached_blocks_with_a_tier()
-    assert pool.evict_hashes([h[1]]) == 1
-    assert h[1] in tier and h[0] not in tier
+    pool.mark_duplicated([h[0]])
+    assert pool.evict_cached(1) == 1
+    assert h[0] in tier and h[1] not in tier
     assert pool.stats().cached == 1
     pool.check_integrity()
 

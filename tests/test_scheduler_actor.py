@@ -119,6 +119,20 @@ def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(schedul
     assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(generation, True, 6)
 
 
+def test_ack_names_the_hashes_another_worker_keeps_when_the_worker_runs_low(scheduler: Any) -> None:
+    shared, own = b"s" * 16, b"o" * 16
+    for wid, hashes in (("d0", (shared, own)), ("d1", (shared,))):
+        ray.get(scheduler.register_worker.remote(WorkerInfo(wid, "dup", 64)))
+        half_free = LoadReport(wid, "dup", 1, 0.0, 64, 32, 0, 32, 0).encode()
+        batch = KVEventBatch(wid, 1, tuple(("stored", h) for h in hashes), reset=True).encode()
+        assert ray.get(scheduler.push.remote(wid, half_free, batch)).duplicated is None
+    low = {wid: LoadReport(wid, "dup", 2, 0.0, 64, 1, 40, 23, 40).encode() for wid in ("d0", "d1")}
+    acks = [ray.get(scheduler.push.remote(w, low[w], KVEventBatch(w, 2).encode())) for w in low]
+    # One of the two keeps the shared block (nothing new to tell it); the other is told
+    # to evict it first. Its own block is a last copy, named to neither.
+    assert sorted((ack.duplicated for ack in acks), key=lambda d: d is None) == [(shared,), None]
+
+
 def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:
     # low = high = 1.0: any cached block is below the watermark, so every one is evicted.
     sched = start_scheduler(

@@ -8,6 +8,7 @@ import pytest
 
 from pagefleet.cluster.router import RouterConfig
 from pagefleet.cluster.simulator import (
+    EVICTION_MODES,
     SimConfig,
     Simulation,
     Workload,
@@ -91,3 +92,17 @@ def test_simulated_fleet_state_goes_through_the_real_scheduler() -> None:
     for wid, worker in sim.workers.items():
         assert sim.state.cached_hashes(wid) == set(worker.pool.registered_hashes())
     assert [view.version for view in sim.replicas] == [sim.state.version] * 2
+
+
+@pytest.mark.parametrize("mode", ["lru", "replica_aware"])
+def test_scheduler_steered_eviction_keeps_every_pool_whole(mode: str) -> None:
+    cfg = replace(FLEET, eviction=EVICTION_MODES[mode])
+    sim = Simulation(replace(WORKLOAD, hot_share=0.3), cfg, "round_robin")
+    result = sim.run()
+    assert result.eviction == mode and result.num_requests == WORKLOAD.num_requests
+    for worker in sim.workers.values():
+        stats = worker.pool.stats()
+        assert stats.free + stats.cached == stats.total
+        worker.pool.check_integrity()
+    # Round robin copies every prefix everywhere: replica awareness evicts copies first.
+    assert (result.duplicate_evictions > 0) == (mode == "replica_aware")

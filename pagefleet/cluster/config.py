@@ -207,6 +207,10 @@ class SchedulerConfig:
     exactly one shard (`ClusterConfig.scheduler_shards`); its workers push
     there and every ingress replica follows all shards. 1 (the default) is the
     one central scheduler.
+
+    `replica_aware_eviction`: workers evict cached blocks that another worker of
+    the pool also holds before the last copies of a prefix (ahead of need and
+    on allocation); false: plain LRU per worker. `policy: none` turns both off.
     """
 
     policy: str = "watermark"
@@ -222,6 +226,7 @@ class SchedulerConfig:
     shards: int = 1
     admission: str = "full"
     admission_overcommit: float = 1.0
+    replica_aware_eviction: bool = True
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
@@ -252,13 +257,16 @@ class SchedulerConfig:
             )
 
     def eviction_watermarks(self) -> EvictionWatermarks | None:
-        """The free-block watermarks the scheduler asks workers to keep.
+        """How the scheduler steers workers' eviction: watermarks and replica awareness.
 
-        None (no eviction ahead of need) with `policy: none` or a low mark of 0.
+        None (plain LRU on allocation only) with `policy: none`, or a low mark of 0
+        without replica awareness. A low mark of 0 evicts nothing ahead of need.
         """
-        if self.policy == "none" or self.evict_low_watermark == 0:
+        if self.policy == "none" or (self.evict_low_watermark == 0 and not self.replica_aware_eviction):
             return None
-        return EvictionWatermarks(self.evict_low_watermark, self.evict_high_watermark)
+        return EvictionWatermarks(
+            self.evict_low_watermark, self.evict_high_watermark, self.replica_aware_eviction
+        )
 
 
 DEFAULT_HTTP_PORT = 8000

@@ -11,9 +11,13 @@ The cluster state travels as it does in the cluster, through the same code:
 each worker pushes its KV events (after `kv_event_delay_s`) and its load
 report (every `report_interval_s`) to a real `ClusterState`; each of
 `num_ingress_replicas` replicas follows it with a real `FleetView` and routes
-with its own real `Router`; arrivals go to the replicas in turn.
+with its own real `Router`; arrivals go to the replicas in turn. With
+`eviction` set, each push's answer steers the worker's pool as a worker's
+ack does: evict ahead of need below the watermark, and (replica-aware) mark
+the hashes another worker keeps so they are evicted before last copies.
 
     python -m pagefleet.cluster.simulator --workers 4 --groups 8 --ingress-replicas 1,2,4
+    python -m pagefleet.cluster.simulator --groups 16 --hot-share 0.4 --eviction lru,replica_aware
 """
 
 from __future__ import annotations
@@ -28,17 +32,28 @@ from typing import Any
 
 from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
-from pagefleet.scheduler.state import ClusterState
+from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.state import ClusterState, PushResult
 from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 _POOL = "sim"
+# The eviction policies `--eviction` compares: the real cluster's watermarks with
+# plain LRU per worker, or with duplicates evicted before last copies.
+EVICTION_MODES = {
+    "lru": EvictionWatermarks(replica_aware=False),
+    "replica_aware": EvictionWatermarks(replica_aware=True),
+}
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A shared-prefix workload: `num_groups` system prompts, Poisson arrivals."""
+    """A shared-prefix workload: `num_groups` system prompts, Poisson arrivals.
+
+    `hot_share` of the requests use group 0 (a hot prefix); the rest pick a
+    group uniformly (0: all uniform).
+    """
 
     num_requests: int = 400
     num_groups: int = 8
@@ -48,6 +63,7 @@ class Workload:
     arrival_rate: float = 40.0  # requests per second
     vocab_size: int = 32000
     seed: int = 0
+    hot_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_groups", "suffix_tokens", "output_tokens"):
@@ -57,11 +73,17 @@ class Workload:
             raise ValueError(f"system_prompt_tokens must be >= 0, got {self.system_prompt_tokens}")
         if not self.arrival_rate > 0:
             raise ValueError(f"arrival_rate must be > 0, got {self.arrival_rate}")
+        if not 0.0 <= self.hot_share <= 1.0:
+            raise ValueError(f"hot_share must be in [0, 1], got {self.hot_share}")
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """The simulated fleet: its size, pools and service model."""
+    """The simulated fleet: its size, pools and service model.
+
+    `eviction`: how the scheduler steers eviction (None: workers evict LRU on
+    allocation only, nothing ahead of need).
+    """
 
     num_workers: int = 4
     num_blocks: int = 192
@@ -72,6 +94,7 @@ class SimConfig:
     report_interval_s: float = 0.25
     kv_event_delay_s: float = 0.02
     num_ingress_replicas: int = 1
+    eviction: EvictionWatermarks | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "num_ingress_replicas"):
@@ -96,6 +119,8 @@ class SimResult:
     throughput_rps: float
     evictions: int
     max_worker_share: float  # the busiest worker's share of requests
+    eviction: str = "lazy_lru"  # lazy_lru (on allocation only), lru or replica_aware
+    duplicate_evictions: int = 0  # of `evictions`, blocks another worker also held
 
     @property
     def hit_rate_vs_ideal(self) -> float:
@@ -160,8 +185,9 @@ class Simulation:
         self.now = 0.0
         # The simulation models no hangs: only routing and caching are under study.
         self.state = ClusterState(
-            report_timeout_s=1e9, stall_timeout_s=1e9, clock=lambda: self.now, generation=1
-        )
+            report_timeout_s=1e9, stall_timeout_s=1e9, clock=lambda: self.now, generation=1,
+            eviction=cfg.eviction,
+        )  # fmt: skip
         self.replicas = [
             FleetView(
                 Router(
@@ -224,13 +250,22 @@ class Simulation:
 
     def _on_report(self, _: None) -> None:
         for worker in self.workers.values():
-            self.state.push(worker.report(self.now), worker.kv_batch(worker.pool.drain_events()))
+            report = worker.report(self.now)
+            self._follow(worker, self.state.push(report, worker.kv_batch(worker.pool.drain_events())))
         self._sync()
         self._at(self.now + self.cfg.report_interval_s, "report", None)
 
     def _on_kv(self, item: tuple[LoadReport, KVEventBatch]) -> None:
-        self.state.push(*item)
+        self._follow(self.workers[item[0].worker_id], self.state.push(*item))
         self._sync()
+
+    def _follow(self, worker: _Worker, result: PushResult) -> None:
+        """What a worker does with its push's ack: mark duplicates, evict ahead of need."""
+        if result.duplicated is not None:
+            worker.pool.mark_duplicated(result.duplicated)
+        if result.evict_blocks:
+            worker.pool.evict_cached(result.evict_blocks)
+            self._publish(worker)
 
     def _on_prefilled(self, item: tuple[_Worker, _Request]) -> None:
         worker, req = item
@@ -294,6 +329,9 @@ class Simulation:
         prompt = sum(w.prompt_tokens for w in self.workers.values())
         ttfts = sorted(r.ttft for r in requests)
         makespan = max(self.now, 1e-9)
+        pools = [w.pool.stats() for w in self.workers.values()]
+        marks = self.cfg.eviction
+        eviction = "lazy_lru" if marks is None else "replica_aware" if marks.replica_aware else "lru"
         return SimResult(
             policy=self.policy,
             num_ingress_replicas=self.cfg.num_ingress_replicas,
@@ -303,8 +341,10 @@ class Simulation:
             ttft_p50_s=_percentile(ttfts, 0.50),
             ttft_p99_s=_percentile(ttfts, 0.99),
             throughput_rps=len(requests) / makespan,
-            evictions=sum(w.pool.stats().evictions for w in self.workers.values()),
+            evictions=sum(p.evictions for p in pools),
             max_worker_share=max(w.served for w in self.workers.values()) / len(requests),
+            eviction=eviction,
+            duplicate_evictions=sum(p.duplicate_evictions for p in pools),
         )
 
 
@@ -320,7 +360,8 @@ def make_requests(workload: Workload, block_size: int) -> list[_Request]:
     for i in range(workload.num_requests):
         t += rng.expovariate(workload.arrival_rate)
         suffix = [rng.randrange(workload.vocab_size) for _ in range(workload.suffix_tokens)]
-        prompt = systems[rng.randrange(workload.num_groups)] + suffix
+        hot = workload.hot_share and rng.random() < workload.hot_share
+        prompt = systems[0 if hot else rng.randrange(workload.num_groups)] + suffix
         out.append(_Request(i, t, prompt, hash_token_blocks(prompt, block_size), workload.output_tokens))
     return out
 
@@ -369,13 +410,15 @@ def compare_policies(
 def format_table(results: Sequence[SimResult]) -> str:
     """A markdown table of results, with hit rate relative to the ideal shared cache."""
     lines = [
-        "| policy | ingress replicas | hit rate | vs ideal | TTFT p50 (s) | TTFT p99 (s) | req/s | evictions | busiest worker |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | eviction | ingress replicas | hit rate | vs ideal | TTFT p50 (s) | TTFT p99 (s) | req/s "
+        "| evictions | of them duplicates | busiest worker |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.policy} | {r.num_ingress_replicas} | {r.hit_rate:.1%} | {r.hit_rate_vs_ideal:.1%} | {r.ttft_p50_s:.3f} "
-            f"| {r.ttft_p99_s:.3f} | {r.throughput_rps:.1f} | {r.evictions} | {r.max_worker_share:.0%} |"
+            f"| {r.policy} | {r.eviction} | {r.num_ingress_replicas} | {r.hit_rate:.1%} | {r.hit_rate_vs_ideal:.1%} "
+            f"| {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} | {r.throughput_rps:.1f} | {r.evictions} "
+            f"| {r.duplicate_evictions} | {r.max_worker_share:.0%} |"
         )
     return "\n".join(lines)
 
@@ -391,17 +434,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
     parser.add_argument("--rate", type=float, default=Workload.arrival_rate, help="requests per second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hot-share", type=float, default=0.0,
+                        help="share of requests on one hot prefix (group 0)")
+    parser.add_argument("--eviction", default="", metavar="MODE[,MODE...]",
+                        help=f"scheduler-steered eviction to compare: {', '.join(EVICTION_MODES)} "
+                        "(default: none, LRU on allocation only)")
+    parser.add_argument("--policies", default=",".join(ROUTING_POLICIES))
     parser.add_argument("--ingress-replicas", default="1", metavar="N[,N...]",
                         help="ingress replicas following one scheduler view, e.g. 1,2,4")
     args = parser.parse_args(argv)
     workload = Workload(
         num_requests=args.requests, num_groups=args.groups, system_prompt_tokens=args.system_tokens,
         suffix_tokens=args.suffix_tokens, arrival_rate=args.rate, seed=args.seed,
+        hot_share=args.hot_share,
     )  # fmt: skip
+    modes = [m for m in args.eviction.split(",") if m]
+    unknown = [m for m in modes if m not in EVICTION_MODES]
+    if unknown:
+        parser.error(f"--eviction: unknown {', '.join(unknown)}; one of {', '.join(EVICTION_MODES)}")
+    policies = [p for p in args.policies.split(",") if p]
     results = []
     for n in (int(x) for x in args.ingress_replicas.split(",")):
-        cfg = SimConfig(num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n)
-        results += compare_policies(workload, cfg)
+        steering: list[EvictionWatermarks | None] = [EVICTION_MODES[m] for m in modes]
+        for marks in steering or [None]:
+            cfg = SimConfig(
+                num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n, eviction=marks
+            )
+            results += compare_policies(workload, cfg, policies)
     print(workload)
     print(format_table(results))
     return 0

@@ -48,7 +48,9 @@ class ReportAck:
     """Answer to a load report: re-register when `registered` is False or the generation changed.
 
     `evict_blocks`: cached blocks the worker should evict now to get back above
-    the free-block watermark (0: none).
+    the free-block watermark (0: none). `duplicated`: the worker's hashes
+    another live worker of its pool keeps; it evicts them before last copies
+    (None: unchanged since the last ack).
     """
 
     generation: int
@@ -57,8 +59,7 @@ class ReportAck:
     snapshot: bool = False  # send a snapshot of every held hash with the next push
     # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
     dead_replicas: tuple[str, ...] = ()
-    # Of the blocks to evict, these first: hashes another worker of the pool also holds.
-    evict_first: tuple[bytes, ...] = ()
+    duplicated: tuple[bytes, ...] | None = None
 
 
 class SchedulerActor:
@@ -111,10 +112,9 @@ class SchedulerActor:
             raise ValueError(f"push from {worker_id!r} carries worker_id {load.worker_id!r}")
         result = self._state.push(load, batch)
         self._wake()
-        evict = self._state.blocks_to_evict(worker_id) if result.registered else 0
         return ReportAck(
-            self._state.generation, result.registered, evict, result.snapshot,
-            self._state.dead_replicas(), self._state.eviction_hints(worker_id, evict),
+            self._state.generation, result.registered, result.evict_blocks, result.snapshot,
+            self._state.dead_replicas(), result.duplicated,
         )
 
     async def subscribe(

@@ -77,10 +77,16 @@ def claim_headroom(
 
 @dataclass(frozen=True)
 class EvictionWatermarks:
-    """Free-block fractions: below `low`, evict cached blocks until free reaches `high`."""
+    """Free-block fractions: below `low`, evict cached blocks until free reaches `high`.
+
+    `replica_aware`: tell each worker which of its hashes another live worker of
+    its pool also holds, so that every eviction (ahead of need and on
+    allocation) takes those before the last copies of a prefix; off: plain LRU.
+    """
 
     low: float = 0.05
     high: float = 0.10
+    replica_aware: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low <= self.high <= 1.0:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 DEFAULT_LOG_SIZE = 50_000
 # A dead ingress replica is announced to workers this long, then forgotten.
 DEAD_REPLICA_MEMORY_S = 300.0
+# Below this share of free blocks a worker may soon evict: its acks carry which of
+# its hashes are duplicated elsewhere (when that changed). Above it nothing is sent.
+DUPLICATES_BELOW_FREE = 0.25
+# ...computed at most this often per worker.
+DUPLICATES_INTERVAL_S = 0.4
 
 
 @dataclass(frozen=True)
@@ -130,12 +136,18 @@ class PushResult:
 
     registered: bool  # False: unknown worker, it must register (and then send a snapshot)
     snapshot: bool = False  # send all held hashes next time (gap, new incarnation, or drift check)
+    evict_blocks: int = 0  # cached blocks to evict now (below the free-block watermark)
+    # Its hashes another live worker of the pool keeps: evict them before last
+    # copies. None: no change since the last push (keep what you have).
+    duplicated: tuple[bytes, ...] | None = None
 
 
 class _Entry:
     __slots__ = (
         "checked_at",
         "drift_blocks",
+        "duplicated_at",
+        "duplicated_sent",
         "has_work",
         "hashes",
         "incarnation",
@@ -167,6 +179,9 @@ class _Entry:
         self.has_work = False
         self.published_alive = True
         self.published_stalled = False
+        # As the worker last heard it; a worker starts (and registers) with none.
+        self.duplicated_sent: frozenset[bytes] = frozenset()
+        self.duplicated_at = -float("inf")
 
 
 class ClusterState:
@@ -228,6 +243,8 @@ class ClusterState:
             # and its old report describes a process that is gone.
             entry.report = None
             entry.kv_seq = None
+            entry.duplicated_sent = frozenset()
+            entry.duplicated_at = -float("inf")
         self._publish(entry)
         return self.generation
 
@@ -261,7 +278,12 @@ class ClusterState:
         )
         self._publish(entry, stored, removed, off_stored, off_removed)
         due = self._clock() - entry.checked_at >= self.index_check_interval_s
-        return PushResult(registered=True, snapshot=want_snapshot or due)
+        return PushResult(
+            registered=True,
+            snapshot=want_snapshot or due,
+            evict_blocks=self.blocks_to_evict(report.worker_id),
+            duplicated=self._duplicates_news(entry),
+        )
 
     def _take_report(self, entry: _Entry, report: LoadReport) -> None:
         now = self._clock()
@@ -377,24 +399,51 @@ class ClusterState:
         """How many workers of the pool hold the hash, by the index."""
         return self._copies.get(pool, {}).get(block_hash, 0)
 
-    def eviction_hints(self, worker_id: str, n: int) -> tuple[bytes, ...]:
-        """Up to `n` of the worker's hashes that another worker of its pool also holds.
+    def duplicated_hashes(self, worker_id: str) -> frozenset[bytes]:
+        """The worker's hashes whose prefix survives its eviction: another live worker of
+        its pool holds them and keeps them.
 
-        Evicting these first costs the pool no prefix: the copy elsewhere still
-        serves it. The worker evicts them (the unused ones) before falling back
-        to LRU, so the last copy of a prefix goes last.
+        With several holders exactly one keeps each hash (the highest
+        `_keeper_rank`), so holders under pressure at once do not all drop it
+        first: the last copy goes last. The rank is the worker's, not the
+        hash's: the keeper of a prefix keeps all of its blocks, since a chain
+        cut at one block loses every block after it to lookups.
         """
         entry = self._workers.get(worker_id)
-        if entry is None or n <= 0:
-            return ()
-        copies = self._copies.get(entry.info.pool, {})
-        out: list[bytes] = []
-        for h in entry.hashes:
-            if copies.get(h, 0) > 1:
-                out.append(h)
-                if len(out) >= n:
-                    break
-        return tuple(out)
+        if entry is None:
+            return frozenset()
+        pool = entry.info.pool
+        copies = self._copies.get(pool, {})
+        shared = {h for h in entry.hashes if copies.get(h, 0) > 1}
+        now = self._clock()
+        mine = _keeper_rank(worker_id)
+        out: set[bytes] = set()
+        for wid, e in self._workers.items():
+            if not shared:
+                break
+            if e.info.pool == pool and _keeper_rank(wid) > mine and self._alive(e, now):
+                kept = shared & e.hashes  # set operations: C speed, the smaller side walked
+                out |= kept
+                shared -= kept
+        return frozenset(out)
+
+    def _duplicates_news(self, entry: _Entry) -> tuple[bytes, ...] | None:
+        """What a push's ack says about duplicates: the set when it changed and the
+        worker runs low on free blocks, else None (the worker keeps its last set)."""
+        marks, report = self.eviction, entry.report
+        if marks is None or not marks.replica_aware or report is None or report.total_blocks <= 0:
+            return None
+        if report.free_blocks >= DUPLICATES_BELOW_FREE * report.total_blocks:
+            return None
+        now = self._clock()
+        if now - entry.duplicated_at < DUPLICATES_INTERVAL_S:
+            return None  # the walk costs O(pool workers) set operations: not on every push
+        entry.duplicated_at = now
+        current = self.duplicated_hashes(entry.info.worker_id)
+        if current == entry.duplicated_sent:
+            return None
+        entry.duplicated_sent = current
+        return tuple(current)
 
     # ----- liveness -------------------------------------------------------
 
@@ -550,3 +599,8 @@ def _uncount(copies: dict[bytes, int], block_hash: bytes) -> None:
         copies[block_hash] = left
     else:
         copies.pop(block_hash, None)
+
+
+def _keeper_rank(worker_id: str) -> tuple[int, str]:
+    """Which holder keeps a duplicated hash: the highest rank (stable across processes)."""
+    return zlib.crc32(worker_id.encode()), worker_id

@@ -128,12 +128,10 @@ class WorkerActor:
         """The engine's pool and queue counters (`LLMEngine.stats()`)."""
         return dict(self._engine.stats())
 
-    def evict_cached(self, n: int, first: tuple[bytes, ...] = ()) -> int:
-        """Evict up to `n` cached blocks between two engine steps: those holding the
-        `first` hashes (replicated elsewhere, by the scheduler), then LRU. Returns how many."""
-        evicted = self._engine.evict_hashes(list(first[:n])) if first else 0
-        if evicted < n:
-            evicted += self._engine.evict_cached(n - evicted)
+    def evict_cached(self, n: int) -> int:
+        """Evict up to `n` cached blocks between two engine steps: those another worker
+        also holds first, then last copies, LRU within each. Returns how many."""
+        evicted = self._engine.evict_cached(n)
         if evicted:
             logger.debug("worker %s evicted %d cached blocks", self.worker_id, evicted)
         return evicted
@@ -198,6 +196,8 @@ class WorkerActor:
                             )
                         )
                         snapshot = True
+                        # A fresh scheduler state knows of no duplicates told before.
+                        self._engine.mark_duplicated(())
                     ack = await scheduler.push.remote(
                         self.worker_id, self._load_report(), self._kv_batch(snapshot)
                     )
@@ -206,10 +206,15 @@ class WorkerActor:
                         self._abort_orphans(set(ack.dead_replicas))
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
-                    elif ack.evict_blocks > 0:
-                        # Below the free-block watermark: evict LRU cached blocks now, so
-                        # the next bursts allocate from the free list.
-                        self.evict_cached(ack.evict_blocks, ack.evict_first)
+                    else:
+                        if ack.duplicated is not None:
+                            # Kept until the next change: every eviction (on allocation
+                            # too) takes these before the last copies of a prefix.
+                            self._engine.mark_duplicated(ack.duplicated)
+                        if ack.evict_blocks > 0:
+                            # Below the free-block watermark: evict cached blocks now, so
+                            # the next bursts allocate from the free list.
+                            self.evict_cached(ack.evict_blocks)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -175,10 +175,10 @@ class AsyncEngine:
         with self._lock:
             return self.engine.drain_kv_events()
 
-    def evict_hashes(self, hashes: list[bytes]) -> int:
-        """`LLMEngine.evict_hashes`, between two steps."""
+    def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
+        """`LLMEngine.mark_duplicated`, between two steps."""
         with self._lock:
-            return self.engine.evict_hashes(hashes)
+            self.engine.mark_duplicated(hashes)
 
     def snapshot_kv(self) -> list[tuple[str, bytes]]:
         """`LLMEngine.snapshot_kv`, between two steps."""

@@ -9,14 +9,18 @@ Every block is in exactly one of three states:
 
 Free and cached blocks sit in one free queue, an intrusive doubly linked list
 kept in two int arrays (`_prev`, `_next`) so that unlinking a block from the
-middle (a prefix hit on a cached block) is O(1). The queue is ordered
+middle (a prefix hit on a cached block) is O(1). A divider node splits the
+cached blocks into two classes, each least recently released first:
 
-    head -> [free blocks ...] [cached blocks, least recently released first] -> tail
+    head -> [free ...] [cached, duplicated elsewhere] DIVIDER [cached, last copies] -> tail
 
 Allocation pops from the head, so free blocks are used before any cached block
-is evicted, and cached blocks are evicted in LRU order. A released block with a
-hash goes to the tail (most recently used); a released block without one goes
-to the head (it holds nothing worth keeping, so it is reused first).
+is evicted, cached blocks another worker of the pool also holds (the
+scheduler says which: `mark_duplicated`) go before the last copies, and each
+class goes in LRU order. A released block with a hash goes to the tail of its
+class (most recently used); a released block without one goes to the head (it
+holds nothing worth keeping, so it is reused first). Without duplicates marked
+the first class is empty: plain LRU.
 
 With an offload tier (`spill`), each evicted block's `(hash, block_id)` is
 handed to the tier before `allocate` (or `evict_cached`) returns, i.e. before
@@ -57,6 +61,7 @@ class PoolStats:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     evictions: int
+    duplicate_evictions: int = 0  # of `evictions`, blocks marked duplicated elsewhere
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -97,14 +102,21 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> block id (live or cached)
+        # Registered hashes another worker also holds (the scheduler's latest word):
+        # their blocks, once cached, are evicted before last copies. A subset of
+        # `_cached`, so never larger than the pool.
+        self._duplicated: set[bytes] = set()
+        # When each cached block last became the most recently used (a counter):
+        # blocks changing class keep their order among themselves.
+        self._released_at = [0] * num_blocks
+        self._clock = 0
 
-        # Free queue; index `num_blocks` is the sentinel (head = _next[s], tail = _prev[s]).
-        s = num_blocks
-        self._sentinel = s
-        self._next = [*range(1, num_blocks + 1), 0]
-        self._prev = [s, *range(0, num_blocks)]
-        self._next[s] = 0
-        self._prev[s] = num_blocks - 1
+        # Free queue; index `num_blocks` is the sentinel (head = _next[s], tail = _prev[s]),
+        # `num_blocks + 1` the divider between duplicated and last-copy cached blocks.
+        s, d = num_blocks, num_blocks + 1
+        self._sentinel, self._divider = s, d
+        self._next = [*range(1, num_blocks), d, 0, s]
+        self._prev = [s, *range(0, num_blocks - 1), d, num_blocks - 1]
 
         self._num_free = num_blocks
         self._num_cached = 0
@@ -112,6 +124,7 @@ class BlockPool:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        self._duplicate_evictions = 0
         # Pending KV events, coalesced per hash (stored then removed before a drain
         # cancels out), so the queue stays under 2 * num_blocks even if nobody drains.
         self._events: dict[bytes, str] = {}
@@ -155,12 +168,14 @@ class BlockPool:
             prefix_query_tokens=self._query_tokens,
             prefix_hit_tokens=self._hit_tokens,
             evictions=self._evictions,
+            duplicate_evictions=self._duplicate_evictions,
         )
 
     # ------------------------------------------------------------- allocation
 
     def allocate(self, n: int) -> list[int]:
-        """Hand out `n` blocks with ref count 1; evicts LRU cached blocks if needed.
+        """Hand out `n` blocks with ref count 1; evicts cached blocks if needed
+        (duplicated ones first, then last copies, LRU within each).
 
         All-or-nothing: raises `NoFreeBlocks` and changes nothing when fewer than
         `n` blocks are free or evictable.
@@ -173,11 +188,12 @@ class BlockPool:
         if n > available:
             raise NoFreeBlocks(n, available)
         nxt, ref, hashes = self._next, self._ref, self._hash
-        s = self._sentinel
+        s, d = self._sentinel, self._divider
         out: list[int] = []
         b = nxt[s]
+        passed_divider = False
         if n <= self._num_free:
-            # Free blocks sit ahead of every cached one: no eviction on this path.
+            # Free blocks sit ahead of every cached one (and the divider): no eviction here.
             for _ in range(n):
                 out.append(b)
                 ref[b] = 1
@@ -187,6 +203,9 @@ class BlockPool:
             evicted = n - self._num_free
             spilled: list[tuple[bytes, int]] = []
             for _ in range(n):
+                if b == d:  # at most once, and enough blocks follow it
+                    passed_divider = True
+                    b = nxt[b]
                 out.append(b)
                 ref[b] = 1
                 if hashes[b] is not None:
@@ -194,7 +213,10 @@ class BlockPool:
                 b = nxt[b]
             if self._spill is not None:
                 self._spill(spilled)
-        # The n blocks form the head of the queue: splice them out in one step.
+        # The n blocks form the head of the queue (bar the divider): splice them out.
+        if passed_divider:
+            nxt[s], self._prev[d] = d, s
+            s = d
         nxt[s] = b
         self._prev[b] = s
         self._num_cached -= evicted
@@ -210,6 +232,9 @@ class BlockPool:
         self._hash[block_id] = None
         del self._cached[h]
         self._evictions += 1
+        if h in self._duplicated:
+            self._duplicated.discard(h)
+            self._duplicate_evictions += 1
         self._event("removed", h)
         return h
 
@@ -217,24 +242,31 @@ class BlockPool:
         """Drop one reference on each block, in the order given.
 
         A block whose count reaches 0 becomes cached (it has a hash: queued at the
-        tail, evicted last) or free (queued at the head, reused first). Pass a
-        sequence's tail blocks first so its shared head blocks are evicted later.
+        tail of its class, evicted last in it) or free (queued at the head, reused
+        first). Pass a sequence's tail blocks first so its shared head blocks are
+        evicted later.
         """
         ref, hashes, nxt, prev = self._ref, self._hash, self._next, self._prev
-        s = self._sentinel
+        s, d, duplicated, at = self._sentinel, self._divider, self._duplicated, self._released_at
+        clock = self._clock
         for b in block_ids:
             r = ref[b] - 1
             if r < 0:
+                self._clock = clock
                 raise ValueError(f"block {b} freed more often than it was allocated")
             ref[b] = r
             if r:
                 continue
-            if hashes[b] is not None:
-                tail = prev[s]
+            h = hashes[b]
+            if h is not None:
+                clock += 1
+                at[b] = clock
+                end = d if h in duplicated else s
+                tail = prev[end]
                 nxt[tail] = b
                 prev[b] = tail
-                nxt[b] = s
-                prev[s] = b
+                nxt[b] = end
+                prev[end] = b
                 self._num_cached += 1
             else:
                 head = nxt[s]
@@ -243,6 +275,7 @@ class BlockPool:
                 prev[b] = s
                 nxt[s] = b
                 self._num_free += 1
+        self._clock = clock
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each live block (a fork shares its parent's blocks)."""
@@ -289,31 +322,68 @@ class BlockPool:
         return out
 
     def touch(self, hashes: Iterable[bytes]) -> None:
-        """Make the cached (ref 0) blocks under `hashes` the most recently used, in order.
+        """Make the cached (ref 0) blocks under `hashes` the most recently used of
+        their class (duplicated or last copy), in order.
 
         The last hash given ends up evicted last. Live and unknown hashes are
         ignored; counts no prefix query. The batch scheduler calls this for the
         prefixes that waiting requests are about to reuse.
         """
-        cached, ref = self._cached, self._ref
+        cached, ref, duplicated = self._cached, self._ref, self._duplicated
         for h in hashes:
             b = cached.get(h)
             if b is not None and not ref[b]:
-                self._move(b, to_tail=True)
+                self._clock += 1
+                self._released_at[b] = self._clock
+                self._move(b, self._divider if h in duplicated else self._sentinel)
 
-    def _move(self, b: int, *, to_tail: bool) -> None:
-        """Unlink block `b` from the free queue and put it back at its tail (evicted
-        last) or its head (allocated first)."""
-        nxt, prev, s = self._next, self._prev, self._sentinel
+    def mark_duplicated(self, hashes: Iterable[bytes]) -> None:
+        """Replace the set of hashes another worker of the pool also holds.
+
+        Their cached blocks are evicted before last copies from now on. Blocks
+        changing class become the most recently used of the new one, in their
+        order of use among themselves. Hashes this pool does not hold are
+        ignored, so the set never outgrows the pool. Costs O(k log k) for the k
+        hashes that change class, not a scan of the cache.
+        """
+        cached, ref, at = self._cached, self._ref, self._released_at
+        new = {h for h in hashes if h in cached}
+        old = self._duplicated
+        for moved, end in ((old - new, self._sentinel), (new - old, self._divider)):
+            unused = [b for b in (cached[h] for h in moved) if not ref[b]]
+            for b in sorted(unused, key=at.__getitem__):
+                self._move(b, end)
+        self._duplicated = new
+
+    def is_duplicated(self, block_hash: bytes) -> bool:
+        """Whether `block_hash` is registered here and marked held by another worker too."""
+        return block_hash in self._duplicated
+
+    def _move(self, b: int, before: int) -> None:
+        """Unlink block `b` from the free queue and put it back just before node
+        `before`: the sentinel (tail of the last copies), the divider (tail of the
+        duplicated ones) or the head block (allocated first)."""
+        nxt, prev = self._next, self._prev
         p, n = prev[b], nxt[b]
         nxt[p] = n
         prev[n] = p
-        before = prev[s] if to_tail else s
-        after = nxt[before]
+        after = before
+        before = prev[after]
         nxt[before] = b
         prev[b] = before
         nxt[b] = after
         prev[after] = b
+
+    def _move_to_head(self, b: int) -> None:
+        nxt, prev, s = self._next, self._prev, self._sentinel
+        p, n = prev[b], nxt[b]
+        nxt[p] = n
+        prev[n] = p
+        head = nxt[s]
+        nxt[s] = b
+        prev[b] = s
+        nxt[b] = head
+        prev[head] = b
 
     def register(self, block_id: int, block_hash: bytes) -> bool:
         """Make a full, written, live block findable under `block_hash`.
@@ -340,54 +410,32 @@ class BlockPool:
         return True
 
     def evict_cached(self, n: int | None = None) -> int:
-        """Drop the hashes of up to `n` cached blocks (all if None), LRU first.
+        """Drop the hashes of up to `n` cached blocks (all if None) in eviction
+        order: duplicated ones first, then last copies, LRU within each.
 
         The blocks become plain free blocks (spilled to the tier first, if any).
         Returns how many were evicted. The pool evicts by itself on allocation;
-        this is for an explicit policy or a reset.
+        this is for an explicit policy (the scheduler's watermark) or a reset.
+        Walks the free blocks ahead of the cached ones: cheap when few are free,
+        which is when the scheduler asks.
         """
         limit = self._num_cached if n is None else min(n, self._num_cached)
-        nxt, prev = self._next, self._prev
-        s = self._sentinel
-        # Cached blocks sit behind all free ones, so walk from the tail back to the
-        # first cached block; evict oldest first, moving each to the free head.
-        b = prev[s]
-        for _ in range(self._num_cached - 1):
-            b = prev[b]
+        nxt, hashes = self._next, self._hash
+        s, d = self._sentinel, self._divider
+        b = nxt[s]
         done = 0
         spilled: list[tuple[bytes, int]] = []
         while done < limit:
             after = nxt[b]
-            spilled.append((self._evict(b), b))
-            self._move(b, to_tail=False)
-            done += 1
+            if b != d and hashes[b] is not None:
+                spilled.append((self._evict(b), b))
+                self._move_to_head(b)
+                done += 1
             b = after
         self._num_cached -= done
         self._num_free += done
         if self._spill is not None and spilled:
             self._spill(spilled)
-        return done
-
-    def evict_hashes(self, hashes: Iterable[bytes]) -> int:
-        """Evict the cached (ref 0) blocks holding these hashes; others are skipped.
-
-        For a policy that knows better than LRU which entries to drop (the
-        scheduler's: blocks another worker of the pool also holds). Returns how
-        many were evicted.
-        """
-        ref, cached = self._ref, self._cached
-        spilled: list[tuple[bytes, int]] = []
-        for h in hashes:
-            b = cached.get(h)
-            if b is None or ref[b]:
-                continue
-            spilled.append((self._evict(b), b))
-            self._move(b, to_tail=False)
-        done = len(spilled)
-        self._num_cached -= done
-        self._num_free += done
-        if self._spill is not None and spilled:
-            self._spill(spilled)  # like every eviction: the offload tier keeps them
         return done
 
     def reset_prefix_cache(self) -> int:
@@ -422,28 +470,39 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any block is in no state or two, or a counter is off."""
-        n, s = self.num_blocks, self._sentinel
+        n, s, d = self.num_blocks, self._sentinel, self._divider
         in_queue = [False] * n
         seen = 0
-        seen_cached = False
-        prev_cached_count = 0
+        seen_cached = seen_divider = False
         b = self._next[s]
         p = s
         while b != s:
+            assert self._prev[b] == p, f"free queue link broken at node {b}"
+            if b == d:
+                assert not seen_divider, "the divider is in the free queue twice"
+                seen_divider = True
+                p, b = b, self._next[b]
+                continue
             assert 0 <= b < n, f"free queue holds invalid block id {b}"
             assert not in_queue[b], f"block {b} is in the free queue twice"
-            assert self._prev[b] == p, f"free queue link broken at block {b}"
             in_queue[b] = True
             seen += 1
             assert seen <= n, "free queue has a cycle"
-            hashed = self._hash[b] is not None
-            if hashed:
+            h = self._hash[b]
+            if h is not None:
                 seen_cached = True
-                prev_cached_count += 1
+                # Duplicated blocks sit ahead of the divider, last copies behind it.
+                assert (h in self._duplicated) != seen_divider, (
+                    f"cached block {b} is in the wrong class (duplicated: {h in self._duplicated})"
+                )
             else:
-                assert not seen_cached, f"free block {b} sits behind cached blocks in the queue"
+                assert not seen_cached and not seen_divider, (
+                    f"free block {b} sits behind cached blocks in the queue"
+                )
             p, b = b, self._next[b]
+        assert seen_divider, "the divider is missing from the free queue"
         assert self._prev[s] == p, "free queue tail link broken"
+        assert self._duplicated <= self._cached.keys(), "a duplicated hash is not registered"
 
         free = cached = live = 0
         for b in range(n):

@@ -208,7 +208,7 @@ class LLMEngine:
         return True
 
     def evict_cached(self, n: int) -> int:
-        """Evict up to `n` cached blocks (least recently used first) to free blocks now.
+        """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
 
         Running requests keep their blocks; only unused prefix-cache entries go,
         each with a "removed" KV event, counted in `stats()["evictions"]`.
@@ -488,9 +488,10 @@ class LLMEngine:
             events.extend(self.offload.drain_events())
         return events
 
-    def evict_hashes(self, hashes: list[bytes]) -> int:
-        """Evict the unused cached blocks holding these hashes (see `BlockPool.evict_hashes`)."""
-        return self.pool.evict_hashes(hashes)
+    def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
+        """The hashes another worker of the pool also holds, by the scheduler: their
+        cached blocks are evicted before last copies (`BlockPool.mark_duplicated`)."""
+        self.pool.mark_duplicated(hashes)
 
     def snapshot_kv(self) -> list[tuple[str, bytes]]:
         """Every held hash now as ("stored", hash) for the pool and ("offload_stored",
