@@ -285,7 +285,8 @@ def start_cluster(
 
 
 def _start_scheduler(config: ClusterConfig, namespace: str) -> Any:
-    """The central scheduler actor with the config's timeouts and eviction watermarks."""
+    """The central scheduler actor with the config's timeouts, eviction watermarks and
+    migration policy."""
     from pagefleet.scheduler.actor import start_scheduler
 
     return start_scheduler(
@@ -294,6 +295,7 @@ def _start_scheduler(config: ClusterConfig, namespace: str) -> Any:
         eviction=config.scheduler.eviction_watermarks(),
         stall_timeout_s=config.scheduler.stall_timeout_s,
         index_check_interval_s=config.scheduler.index_check_interval_s,
+        migration=config.scheduler.migration_policy(),
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pagefleet.cluster.router import RouterConfig
-from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.config import DEFAULT_DTYPE, DTYPES, PREEMPTION_MODES, EngineConfig
 
@@ -196,6 +196,9 @@ class SchedulerConfig:
     worker with room. Below `evict_low_watermark` free blocks (a fraction of a
     worker's pool) the scheduler asks the worker to evict cached blocks until
     `evict_high_watermark` are free; `evict_low_watermark: 0` turns that off.
+    A worker short of blocks hands a request to another worker of its pool
+    with room for it plus `migration_margin_blocks` (`migration: false` turns
+    that off); a request migrates at most once per `migration_cooldown_s`.
     """
 
     policy: str = "watermark"
@@ -208,9 +211,15 @@ class SchedulerConfig:
     stall_timeout_s: float = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: float = 10.0
+    migration: bool = True
+    migration_margin_blocks: int = 4
+    migration_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        _at_least("migration_margin_blocks", self.migration_margin_blocks, 0)
+        if not self.migration_cooldown_s >= 0:
+            _fail("migration_cooldown_s", f"must be >= 0, got {self.migration_cooldown_s}")
         if not self.stall_timeout_s > 0:
             _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
         if not self.index_check_interval_s > 0:
@@ -238,6 +247,14 @@ class SchedulerConfig:
         if self.policy == "none" or self.evict_low_watermark == 0:
             return None
         return EvictionWatermarks(self.evict_low_watermark, self.evict_high_watermark)
+
+    def migration_policy(self) -> MigrationPolicy | None:
+        """When the scheduler moves a request off a worker short of blocks (None: never)."""
+        if not self.migration:
+            return None
+        return MigrationPolicy(
+            margin_blocks=self.migration_margin_blocks, cooldown_s=self.migration_cooldown_s
+        )
 
 
 DEFAULT_HTTP_PORT = 8000

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
@@ -70,6 +71,8 @@ class WorkerActor:
         self._kv_seq = 0
         self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
         self._active: set[str] = set()  # ids of the requests streaming now
+        self._migrating: dict[str, str] = {}  # request id -> worker it is handed to
+        self._preemptions_seen = 0
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
             self._ensure_reporter()
@@ -95,16 +98,42 @@ class WorkerActor:
                 if out.error is not None:  # this request alone failed; the engine goes on
                     yield TokenDelta(error=out.error, error_code="internal")
                     return
+                target = self._migrating.get(request_id)
+                if target is not None and out.finish_reason == "abort":
+                    # Handed off (its blocks are free already): the ingress resumes it there.
+                    delta = TokenDelta.from_output(out)
+                    yield dataclasses.replace(delta, finish_reason=None, migrated_to=target)
+                    return
                 yield TokenDelta.from_output(out)
         except RequestError as exc:
             yield TokenDelta(error=str(exc))
         finally:
             self._active.discard(request_id)
+            self._migrating.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
         between two engine steps, and its stream ends with finish_reason "abort"."""
         self._engine.abort(request_id)
+
+    async def abort_key(self, key: str) -> bool:
+        """Abort the streaming request whose id is `key` tagged by any ingress replica
+        (`<key>@<replica>`): how a replica that does not hold the stream aborts it.
+        Returns whether one was found."""
+        found = False
+        for request_id in list(self._active):
+            if request_id.rpartition("@")[0] == key:
+                self._engine.abort(request_id)
+                found = True
+        return found
+
+    def _migrate(self, request_id: str, target: str) -> None:
+        """Hand a request off on the scheduler's order: abort it here (its blocks return to
+        the pool between two steps) and end its stream with `migrated_to=target`."""
+        if request_id in self._active and request_id not in self._migrating:
+            logger.info("worker %s: migrating %s to %s", self.worker_id, request_id, target)
+            self._migrating[request_id] = target
+            self._engine.abort(request_id)
 
     # ----- state --------------------------------------------------------
 
@@ -144,15 +173,24 @@ class WorkerActor:
 
     def _load_report(self) -> bytes:
         self._report_seq += 1
+        stats = self._engine.stats()
+        # A preemption since the last report means short of blocks, even when the
+        # victim got back in before this report was taken.
+        preemptions = int(stats.get("preemptions_total", 0))
+        preempted = preemptions > self._preemptions_seen
+        self._preemptions_seen = preemptions
+        blocks_short, requests = self._engine.migration_load(1 if preempted else 0)
         return LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,
             self._report_seq,
-            self._engine.stats(),
+            stats,
             tenant_live_blocks=self._engine.tenant_live_blocks(),
             tenant_cap_refusals=self._engine.tenant_cap_refusals(),
             incarnation=self.incarnation,
             progress=self._progress,
+            blocks_short=blocks_short,
+            requests=requests,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:
@@ -198,6 +236,8 @@ class WorkerActor:
                     snapshot = ack.snapshot
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))
+                    for request_id, target in ack.migrate:
+                        self._migrate(request_id, target)
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     elif ack.evict_blocks > 0:

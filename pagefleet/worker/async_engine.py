@@ -21,6 +21,7 @@ from typing import Any
 
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -154,6 +155,13 @@ class AsyncEngine:
         """`LLMEngine.tenant_live_blocks`, between two steps."""
         with self._lock:
             return self.engine.tenant_live_blocks()
+
+    def migration_load(self, at_least: int = 0) -> tuple[int, list[RequestLoad]]:
+        """`LLMEngine.blocks_short` (raised to `at_least`) and, when above 0,
+        `request_loads`, between two steps."""
+        with self._lock:
+            short = max(self.engine.blocks_short(), at_least)
+            return short, self.engine.request_loads() if short > 0 else []
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -69,6 +69,33 @@ def _count_map(obj: Mapping[str, Any], name: str) -> dict[str, int]:
     return dict(raw)
 
 
+class RequestLoad(NamedTuple):
+    """One request of a worker short of blocks, as the scheduler weighs it for migration.
+
+    `admitted_seq` orders admissions (larger: admitted later; a request never
+    admitted yet counts as the latest); `num_tokens` is prompt + generated,
+    what a recompute elsewhere has to hold.
+    """
+
+    request_id: str
+    priority: int
+    admitted_seq: int
+    num_tokens: int
+
+
+def _request_loads(obj: Mapping[str, Any]) -> tuple[RequestLoad, ...]:
+    raw = _get(obj, "requests", list)
+    out = []
+    for item in raw:
+        if (
+            not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
+        ):
+            raise EventDecodeError("field 'requests' must hold [str, int, int, int] entries")
+        out.append(RequestLoad(*item))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One worker's KV pool counters and queue lengths at one moment.
@@ -106,6 +133,11 @@ class LoadReport:
     # Cumulative tokens this worker incarnation has streamed out: the scheduler's
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
+    # Short of blocks: what its waiting sequences lack beyond free + cached (at least 1
+    # after a preemption since the previous report); 0 when everything fits. Only then
+    # does the report list `requests`, the candidates the scheduler may migrate.
+    blocks_short: int = 0
+    requests: tuple[RequestLoad, ...] = ()
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -151,6 +183,8 @@ class LoadReport:
                 "incarnation": self.incarnation,
                 **{name: getattr(self, name) for name in _OFFLOAD_FIELDS},
                 "progress": self.progress,
+                "blocks_short": self.blocks_short,
+                "requests": [list(r) for r in self.requests],
             },
             use_bin_type=True,
         )
@@ -187,6 +221,8 @@ class LoadReport:
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
             **{name: _get(obj, name, int) for name in _OFFLOAD_FIELDS if name in obj},
             progress=_get(obj, "progress", int) if "progress" in obj else 0,
+            blocks_short=_get(obj, "blocks_short", int) if "blocks_short" in obj else 0,
+            requests=_request_loads(obj) if "requests" in obj else (),
         )
 
     @classmethod
@@ -202,6 +238,8 @@ class LoadReport:
         timestamp: float | None = None,
         incarnation: str = "",
         progress: int = 0,
+        blocks_short: int = 0,
+        requests: Iterable[RequestLoad] = (),
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -251,6 +289,8 @@ class LoadReport:
             incarnation=incarnation,
             **{name: pick(name) for name in _OFFLOAD_FIELDS},
             progress=progress,
+            blocks_short=blocks_short,
+            requests=tuple(requests),
         )
 
 
