@@ -435,20 +435,20 @@ class LLMEngine:
 
         An estimate for the cluster scheduler, which moves work to a worker
         with room when this stays above 0: each sequence needs its tokens'
-        blocks less the leading ones the pool holds (its own, cached when it
-        was preempted, or a shared prefix).
+        blocks less the leading ones it shares with running sequences (its own,
+        cached when it was preempted, are part of the free + cached count).
         """
         sched = self.scheduler
         bs = self.config.block_size
         need = 0
         for seq in [*sched.waiting, *sched.swapped]:
-            held = 0
+            shared = 0
             if self.config.enable_prefix_caching:
                 for h in seq.full_block_hashes(seq.num_tokens - 1, bs):
-                    if not self.pool.is_cached(h):
+                    if not self.pool.is_live(h):
                         break
-                    held += 1
-            need += -(-seq.num_tokens // bs) - held
+                    shared += 1
+            need += -(-seq.num_tokens // bs) - shared
         return max(0, need - self.pool.num_allocatable)
 
     def request_loads(self) -> list[RequestLoad]:
