@@ -120,6 +120,7 @@ def main() -> None:
                 str(length), f"{length * bytes_per_token / 2**20:.1f}", f"{r * 1000:.0f}",
                 f"{t * 1000:.1f}", f"{r / t:.1f}x",
             ])
+            print("  ".join(rows[-1]), f"(load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         ray.shutdown()
     common.print_table(

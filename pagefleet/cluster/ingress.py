@@ -18,11 +18,14 @@ stream simply continues. Greedy output is unchanged by the failover. The
 same happens when the scheduler takes a worker out of routing while it holds
 streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
 the streams move by recompute, and the hung copies are aborted, so their
-blocks are freed as soon as the worker wakes.
+blocks are freed as soon as the worker wakes. A stream the scheduler moves
+off a worker short of blocks (its last delta names the target worker) moves
+the same way, to that target.
 
 Several ingress replicas can run side by side; each has its own wait queue,
 metrics and health, and tags the request ids it sends to workers with its
-replica id, so ids stay unique cluster-wide.
+replica id, so ids stay unique cluster-wide. An abort that reaches a replica
+not holding the request is passed to the workers, which find it by its key.
 """
 
 from __future__ import annotations
@@ -304,15 +307,20 @@ class Ingress:
             else:
                 self.admission.release(admitted)
 
-    async def abort(self, request_id: str, tenant: str = "") -> bool:
+    async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
         """Abort a running or waiting request of `tenant`; its stream ends with finish_reason
-        "abort". Another tenant's request of the same id is not found (False)."""
+        "abort". Another tenant's request of the same id is not found (False).
+
+        With `anywhere`, a request this replica does not hold is looked for on the
+        workers (another replica streams it); a drain passes False: it ends only
+        its own streams, and one that just finished must not hit another replica's
+        request of the same id."""
         request_id = scoped_request_id(tenant, request_id)
         if self.admission.cancel(request_id):
             return True
         state = self._running.get(request_id)
         if state is None:
-            return await self._abort_elsewhere(request_id, tenant)
+            return anywhere and await self._abort_elsewhere(request_id, tenant)
         state.aborted = True
         # A dead worker needs no abort: the failover path ends the stream with "abort".
         with contextlib.suppress(*WORKER_FAILURES):

@@ -13,7 +13,9 @@ to the ingress replicas. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
 for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
-without anyone calling it.
+without anyone calling it. The push's ack may order a hand-off (migration):
+the worker aborts that request and ends its stream with `migrated_to`, and
+the ingress resumes it on the named worker by recompute.
 """
 
 from __future__ import annotations
