@@ -283,11 +283,12 @@ class Ingress:
                         prompt_tokens, len(streamed), cached_tokens or 0,
                     )
                     return
+                # After a hand-off: the scheduler's target, or (if it left routing since)
+                # any live worker, the source included; after a failure: an untried one.
                 moved = self._migration_target(state.slot, migrate_to)
                 if moved is None:
                     moved = self.admission.route(
-                        pool.name, [*prompt_ids, *streamed], req.salt,
-                        exclude=state.tried | {state.slot.worker_id},
+                        pool.name, [*prompt_ids, *streamed], req.salt, exclude=state.tried
                     )
                 migrate_to = None
                 moved.in_flight += 1
