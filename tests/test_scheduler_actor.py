@@ -23,6 +23,7 @@ from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.events import (  # noqa: E402
     KVEventBatch,
     LoadReport,
+    RequestLoad,
     WorkerInfo,
 )
 from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
@@ -117,6 +118,21 @@ def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(schedul
     # 64 blocks, 1 free, 23 cached: under 5% free, so evict up to 10% (7 blocks) free.
     low = LoadReport("w0", "chat", 1, 0.0, 64, 1, 40, 23, 40).encode()
     assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(generation, True, 6)
+
+
+def test_push_of_a_worker_short_of_blocks_is_answered_with_a_migration_order(
+    scheduler: Any,
+) -> None:
+    for wid in ("w0", "w1"):
+        ray.get(scheduler.register_worker.remote(WorkerInfo(wid, "chat", 64, block_size=4)))
+    ray.get(scheduler.push.remote("w1", report("w1"), no_events("w1")))  # 60 free
+    short = LoadReport(
+        "w0", "chat", 1, 0.0, 64, 0, 64, 0, 64, num_running=2, blocks_short=3,
+        requests=(RequestLoad("a@r", 0, 1, 40), RequestLoad("b@r", 0, 2, 40)),
+    ).encode()
+    ack = ray.get(scheduler.push.remote("w0", short, no_events("w0")))
+    assert ack.migrate == (("b@r", "w1"),)  # the most recently admitted
+    assert ray.get(scheduler.migration_stats.remote()) == {"chat": 1}
 
 
 def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:
