@@ -176,12 +176,11 @@ class WorkerActor:
     def _load_report(self) -> bytes:
         self._report_seq += 1
         stats = self._engine.stats()
-        # A preemption since the last report means short of blocks, even when the
-        # victim got back in before this report was taken.
-        preemptions = int(stats.get("preemptions_total", 0))
-        preempted = preemptions > self._preemptions_seen
-        self._preemptions_seen = preemptions
-        blocks_short, requests = self._engine.migration_load(1 if preempted else 0)
+        # A preemption for want of a block since the last report means short of
+        # blocks, even when the victim got back in before this report was taken.
+        blocks_short, requests, self._preemptions_seen = self._engine.migration_load(
+            self._preemptions_seen
+        )
         return LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,

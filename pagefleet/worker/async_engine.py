@@ -156,12 +156,17 @@ class AsyncEngine:
         with self._lock:
             return self.engine.tenant_live_blocks()
 
-    def migration_load(self, at_least: int = 0) -> tuple[int, list[RequestLoad]]:
-        """`LLMEngine.blocks_short` (raised to `at_least`) and, when above 0,
-        `request_loads`, between two steps."""
+    def migration_load(self, preemptions_seen: int) -> tuple[int, list[RequestLoad], int]:
+        """(blocks short, requests, preemptions for want of a block so far), between two steps.
+
+        Blocks short is `LLMEngine.blocks_short`, at least 1 when the engine
+        preempted for want of a block since `preemptions_seen`; the requests
+        (`LLMEngine.request_loads`) only when it is above 0.
+        """
         with self._lock:
-            short = max(self.engine.blocks_short(), at_least)
-            return short, self.engine.request_loads() if short > 0 else []
+            count = self.engine.scheduler.block_preemptions
+            short = max(self.engine.blocks_short(), 1 if count > preemptions_seen else 0)
+            return short, self.engine.request_loads() if short > 0 else [], count
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""

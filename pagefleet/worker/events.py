@@ -134,8 +134,9 @@ class LoadReport:
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
     # Short of blocks: what its waiting sequences lack beyond free + cached (at least 1
-    # after a preemption since the previous report); 0 when everything fits. Only then
-    # does the report list `requests`, the candidates the scheduler may migrate.
+    # after a preemption for want of a block since the previous report); 0 when
+    # everything fits. Only then does the report list `requests`, the candidates the
+    # scheduler may migrate.
     blocks_short: int = 0
     requests: tuple[RequestLoad, ...] = ()
 
