@@ -153,3 +153,19 @@ def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
     assert report.blocks_short >= 1
     # The victim (admitted last) is still running or waiting; the other may be done.
     assert "r1@r1" in {r.request_id for r in report.requests} <= {"r0@r1", "r1@r1"}
+
+
+def test_preemptions_that_keep_a_tenant_within_its_cap_do_not_mark_the_engine_short() -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64,
+            tenant_max_live_blocks=(("capped", 8),),
+        )
+    )
+    params = SamplingParams(max_tokens=24, ignore_eos=True)  # up to 7 blocks each
+    for i in range(2):
+        engine.add_request(f"c{i}", f"Capped {i}", params, salt="capped")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.preemptions["recompute"] > 0  # the cap preempted
+    assert engine.scheduler.block_preemptions == 0  # the pool never ran short
