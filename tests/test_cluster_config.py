@@ -223,6 +223,17 @@ def test_scheduler_policy_none_turns_eviction_ahead_of_need_off() -> None:
     assert off.scheduler.eviction_watermarks() is None
 
 
+def test_scheduler_migration_is_on_by_default_and_can_be_turned_off() -> None:
+    on = ClusterConfig.from_dict({"pools": [{"name": "default"}]}).scheduler.migration_policy()
+    assert on is not None and on.margin_blocks == 4 and on.cooldown_s == 10.0
+    off = ClusterConfig.from_dict({"pools": [{"name": "default"}], "scheduler": {"migration": False}})
+    assert off.scheduler.migration_policy() is None
+    with pytest.raises(ConfigError, match="migration_margin_blocks: must be >= 0, got -1"):
+        ClusterConfig.from_dict(
+            {"pools": [{"name": "default"}], "scheduler": {"migration_margin_blocks": -1}}
+        )
+
+
 def test_scheduler_preemption_mode_is_a_pool_setting_not_a_scheduler_one() -> None:
     with pytest.raises(ConfigError, match="preemption_mode"):
         ClusterConfig.from_dict(

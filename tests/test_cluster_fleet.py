@@ -84,7 +84,7 @@ def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
 class Stream:
     """A Generate call on a fresh connection: which replica took it, and its messages."""
 
-    def __init__(self, target: str, prompt: str, **sampling: Any) -> None:
+    def __init__(self, target: str, prompt: str | list[int], **sampling: Any) -> None:
         # A local subchannel pool: a new TCP connection per stream, which the kernel
         # hands to one of the replicas listening on the port.
         self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -173,6 +173,80 @@ def test_index_drift_settles_to_zero_after_traffic(cluster: RunningCluster, targ
         "two drift checks per worker after the traffic, all with drift 0",
         0.2,
     )
+
+
+# ----- migration and aborts across replicas -----------------------------------------
+
+# Token-id prompts: 8 shared blocks (the prefix that pins them to one worker) and 8 of
+# their own; with 96 tokens out, four of them need 8 + 4 x 32 = 136 of a worker's 96
+# blocks, while the other worker has nothing to do.
+MIGRATION_PREFIX = [50 + (7 * i) % 200 for i in range(32)]
+
+
+def _pinned_prompt(j: int) -> list[int]:
+    return MIGRATION_PREFIX + [260 + (13 * i + 17 * j) % 300 for i in range(32)]
+
+
+def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_unchanged(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    prompts = [_pinned_prompt(j) for j in range(4)]
+    sampling = {"max_tokens": MAX_MODEL_LEN - len(prompts[0]), "ignore_eos": True}
+    want = [o.token_ids for o in offline.generate(prompts, SamplingParams(**sampling))]
+    before = ray.get(cluster.scheduler.migration_stats.remote(), timeout=30).get("default", 0)
+    warm = generate(target, [*MIGRATION_PREFIX, 1, 2, 3, 4], max_tokens=1)
+    pinned = warm[-1].worker_id
+    wait_for(
+        lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(pinned), timeout=30)) >= 8,
+        30, "the shared prefix in the scheduler's index", 0.1,
+    )
+    time.sleep(1.0)  # every replica's view has it
+    streams = [Stream(target, p, **sampling) for p in prompts]
+    started = [s.first_token().worker_id for s in streams]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(Stream.rest, streams))
+    assert started == [pinned] * 4, "prefix affinity put every stream on one worker"
+    for got, expected in zip(done, want, strict=True):
+        assert tokens_of(got) == expected and got[-1].finish_reason == "length"
+    moved = [got for got in done if got[-1].worker_id != pinned]
+    assert moved, "some stream ended on the other worker"
+    # Tokens came from both workers: it moved mid-stream, not before it started.
+    assert any(m.token_ids and m.worker_id == pinned for m in moved[0])
+    after = ray.get(cluster.scheduler.migration_stats.remote(), timeout=30)["default"]
+    assert after > before
+
+
+def _replica_channel(target: str, avoid: str) -> tuple[grpc.Channel, pb_grpc.GenerationStub]:
+    """A connection (one TCP connection, so one replica) to a replica other than `avoid`."""
+    for _ in range(60):
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        s = pb_grpc.GenerationStub(channel)
+        found, call = s.Abort.with_call(pb.AbortRequest(request_id="no such request"), timeout=30)
+        assert not found.found
+        if dict(call.initial_metadata())[REPLICA_KEY] != avoid:
+            return channel, s
+        channel.close()
+    raise AssertionError(f"60 connections and all reached replica {avoid}")
+
+
+def test_abort_sent_to_the_replica_without_the_stream_ends_it_with_abort(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    prompt = "Aborted through the replica that does not hold this stream"
+    sampling = {"max_tokens": 120, "ignore_eos": True}
+    want = offline.generate(prompt, SamplingParams(**sampling))[0].token_ids
+    stream = Stream(target, prompt, **sampling)
+    first = stream.first_token()
+    channel, other = _replica_channel(target, avoid=stream.replica)
+    with channel:
+        answer, call = other.Abort.with_call(pb.AbortRequest(request_id=first.request_id), timeout=30)
+        assert dict(call.initial_metadata())[REPLICA_KEY] != stream.replica
+    assert answer.found
+    got = stream.rest()
+    assert got[-1].finish_reason == "abort"
+    streamed = tokens_of(got)
+    assert len(streamed) < len(want) and streamed == want[: len(streamed)]
+    # The autouse check: its blocks are free on every worker.
 
 
 # ----- faults (each heals what it broke) ------------------------------------------

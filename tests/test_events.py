@@ -14,6 +14,7 @@ from pagefleet.worker.events import (
     EventDecodeError,
     KVEventBatch,
     LoadReport,
+    RequestLoad,
     decode_message,
 )
 
@@ -47,6 +48,14 @@ def make_report(**overrides: object) -> LoadReport:
 def test_load_report_round_trips_every_field() -> None:
     report = make_report()
     assert LoadReport.decode(report.encode()) == report
+
+
+def test_load_report_of_a_worker_short_of_blocks_round_trips_its_requests() -> None:
+    report = make_report(
+        blocks_short=3, requests=(RequestLoad("a@r1", 0, 4, 57), RequestLoad("b@r1", -2, 9, 12))
+    )
+    decoded = LoadReport.decode(report.encode())
+    assert decoded == report and decoded.requests[1].priority == -2
 
 
 def test_kv_event_batch_round_trips_in_order() -> None:

@@ -23,6 +23,7 @@ from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.events import (  # noqa: E402
     KVEventBatch,
     LoadReport,
+    RequestLoad,
     WorkerInfo,
 )
 from pagefleet.worker.sampling_params import SamplingParams  # noqa: E402
@@ -131,6 +132,21 @@ def test_ack_names_the_hashes_another_worker_keeps_when_the_worker_runs_low(sche
     # One of the two keeps the shared block (nothing new to tell it); the other is told
     # to evict it first. Its own block is a last copy, named to neither.
     assert sorted((ack.duplicated for ack in acks), key=lambda d: d is None) == [(shared,), None]
+
+
+def test_push_of_a_worker_short_of_blocks_is_answered_with_a_migration_order(
+    scheduler: Any,
+) -> None:
+    for wid in ("w0", "w1"):
+        ray.get(scheduler.register_worker.remote(WorkerInfo(wid, "chat", 64, block_size=4)))
+    ray.get(scheduler.push.remote("w1", report("w1"), no_events("w1")))  # 60 free
+    short = LoadReport(
+        "w0", "chat", 1, 0.0, 64, 0, 64, 0, 64, num_running=2, blocks_short=3,
+        requests=(RequestLoad("a@r", 0, 1, 40), RequestLoad("b@r", 0, 2, 40)),
+    ).encode()
+    ack = ray.get(scheduler.push.remote("w0", short, no_events("w0")))
+    assert ack.migrate == (("b@r", "w1"),)  # the most recently admitted
+    assert ray.get(scheduler.migration_stats.remote()) == {"chat": 1}
 
 
 def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) -> None:

@@ -1,18 +1,23 @@
-"""Scheduler policies: admission and eviction watermarks."""
+"""Scheduler policies: admission, eviction watermarks and cross-worker migration."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from pagefleet.scheduler.policy import (
     Claim,
     EvictionWatermarks,
+    Migration,
+    MigrationPolicy,
     blocks_for_prompt,
     blocks_to_evict,
+    choose_migration,
     claim_headroom,
     full_claim,
 )
-from pagefleet.worker.events import LoadReport
+from pagefleet.worker.events import LoadReport, RequestLoad
 
 
 def report(
@@ -90,3 +95,89 @@ def test_eviction_is_capped_by_cached_blocks() -> None:
 def test_watermarks_must_be_ordered() -> None:
     with pytest.raises(ValueError, match="low <= high"):
         EvictionWatermarks(0.3, 0.1)
+
+
+# ----- migration ----------------------------------------------------------------
+
+BS = 4
+POLICY = MigrationPolicy(margin_blocks=2, cooldown_s=10.0)
+
+
+def short_worker(*requests: RequestLoad, short: int = 3) -> LoadReport:
+    return LoadReport(
+        "w0", "chat", 1, 0.0, 100, 0, 100, 0, 100, num_running=len(requests),
+        blocks_short=short, requests=requests,
+    )
+
+
+def idle_worker(worker_id: str = "w1", *, free: int = 100, pool: str = "chat") -> LoadReport:
+    return LoadReport(worker_id, pool, 1, 0.0, 100, free, 100 - free, 0, 0)
+
+
+# Request "old" was admitted first, "new" last; "low" has a lower priority than both.
+OLD = RequestLoad("old", 0, 1, 40)
+NEW = RequestLoad("new", 0, 3, 40)
+LOW = RequestLoad("low", -1, 2, 40)
+
+
+def test_migration_moves_the_lowest_priority_request_to_a_worker_with_room() -> None:
+    move = choose_migration(short_worker(OLD, NEW, LOW), [idle_worker()], BS, POLICY)
+    assert move == Migration("low", "w0", "w1", 10)
+
+
+def test_among_equal_priorities_the_most_recently_admitted_migrates() -> None:
+    move = choose_migration(short_worker(OLD, NEW), [idle_worker()], BS, POLICY)
+    assert move is not None and move.request_id == "new"
+
+
+def test_no_migration_from_a_worker_that_is_not_short() -> None:
+    assert choose_migration(short_worker(OLD, NEW, short=0), [idle_worker()], BS, POLICY) is None
+
+
+def test_no_migration_without_a_target_with_room_for_the_request_and_the_margin() -> None:
+    # "new" needs 10 blocks; 11 free leaves 9 after the margin of 2.
+    assert choose_migration(short_worker(NEW), [idle_worker(free=11)], BS, POLICY) is None
+    move = choose_migration(short_worker(NEW), [idle_worker(free=12)], BS, POLICY)
+    assert move is not None and move.target == "w1"
+
+
+def test_blocks_promised_to_a_target_count_against_its_room() -> None:
+    source = short_worker(NEW)
+    assert choose_migration(source, [idle_worker(free=20)], BS, POLICY, reserved={"w1": 9}) is None
+    assert choose_migration(source, [idle_worker(free=20)], BS, POLICY, reserved={"w1": 8}) is not None
+
+
+def test_a_smaller_request_migrates_when_the_first_victim_fits_nowhere() -> None:
+    small = RequestLoad("small", 0, 1, 8)  # 2 blocks
+    move = choose_migration(short_worker(small, NEW), [idle_worker(free=6)], BS, POLICY)
+    assert move is not None and move.request_id == "small"
+
+
+def test_no_migration_to_a_worker_short_itself_another_pool_or_the_source() -> None:
+    also_short = dataclasses.replace(idle_worker(), blocks_short=1)
+    other_pool = idle_worker("b0", pool="batch")
+    itself = dataclasses.replace(idle_worker("w0"), free_blocks=100)
+    assert choose_migration(short_worker(NEW), [also_short, other_pool, itself], BS, POLICY) is None
+
+
+def test_the_target_with_the_most_room_is_chosen() -> None:
+    move = choose_migration(
+        short_worker(NEW), [idle_worker("w1", free=30), idle_worker("w2", free=60)], BS, POLICY
+    )
+    assert move is not None and move.target == "w2"
+
+
+def test_a_request_in_its_cooldown_does_not_migrate_again() -> None:
+    source = short_worker(OLD, NEW)
+    move = choose_migration(source, [idle_worker()], BS, POLICY, recently_migrated={"new"})
+    assert move is not None and move.request_id == "old"
+    assert choose_migration(
+        source, [idle_worker()], BS, POLICY, recently_migrated={"new", "old"}
+    ) is None
+
+
+def test_migration_policy_refuses_negative_settings() -> None:
+    with pytest.raises(ValueError, match="margin_blocks"):
+        MigrationPolicy(margin_blocks=-1)
+    with pytest.raises(ValueError, match="cooldown_s"):
+        MigrationPolicy(cooldown_s=-1.0)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
 from pagefleet.scheduler.state import ClusterState
-from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
+from pagefleet.worker.events import KVEventBatch, LoadReport, RequestLoad, WorkerInfo
 
 
 class FakeClock:
@@ -289,3 +289,39 @@ def test_a_worker_past_its_deadline_that_then_counts_as_hung_is_published_again(
     assert [(d.alive, d.stalled) for d in s.updates_since(s.generation, cursor).deltas] == [
         (False, True)
     ]
+
+
+# ----- migration ----------------------------------------------------------------
+
+
+def test_a_short_worker_is_told_to_migrate_once_and_the_request_cannot_bounce_back(
+    clock: FakeClock,
+) -> None:
+    state = ClusterState(
+        report_timeout_s=3.0, generation=7, clock=clock,
+        migration=MigrationPolicy(margin_blocks=0, cooldown_s=10.0, reserve_s=2.0),
+    )
+    state.register_worker(WorkerInfo("w0", "chat", 100, block_size=4))
+    state.register_worker(WorkerInfo("w1", "chat", 100, block_size=4))
+    request = RequestLoad("r@replica", 0, 5, 40)  # 10 blocks
+    short = dataclasses.replace(report("w0", free=0), blocks_short=2, requests=(request,))
+    send(state, short)
+    send(state, report("w1", free=90))
+    move = state.migration_order("w0")
+    assert move is not None and (move.request_id, move.target) == ("r@replica", "w1")
+    assert state.migrations == {"chat": 1}
+    # Now short on w1 (where it moved), with w0 free: it stays, for the cooldown.
+    send(state, dataclasses.replace(report("w1", 2, free=0), blocks_short=2, requests=(request,)))
+    send(state, report("w0", 2, free=90))
+    assert state.migration_order("w1") is None
+    clock.now += 10.0
+    send(state, dataclasses.replace(report("w1", 3, free=0), blocks_short=2, requests=(request,)))
+    send(state, report("w0", 3, free=90))
+    assert state.migration_order("w1") is not None
+
+
+def test_no_migration_order_without_a_migration_policy(state: ClusterState) -> None:
+    request = RequestLoad("r", 0, 1, 8)
+    send(state, dataclasses.replace(report("w0", free=0), blocks_short=2, requests=(request,)))
+    send(state, report("w1", free=90))
+    assert state.migration_order("w0") is None

@@ -197,11 +197,11 @@ class Admission:
 
     def move(
         self, slot: WorkerSlot, key: str, token_ids: Sequence[int], salt: str | None,
-        exclude: Sequence[str] | set[str],
+        exclude: Sequence[str] | set[str], target: WorkerSlot | None = None,
     ) -> WorkerSlot:
-        """Route the request `key` running at `slot` to another live worker now (failover),
-        room or not; its claim goes with it."""
-        moved = self.route(slot.pool, token_ids, salt, exclude)
+        """Move the request `key` running at `slot` to `target` (a migration's), or else to a
+        live worker routed now (failover), room or not; its claim goes with it."""
+        moved = target if target is not None else self.route(slot.pool, token_ids, salt, exclude)
         claim = slot.claims.pop(key, None)
         if claim is not None:
             moved.claims[key] = claim

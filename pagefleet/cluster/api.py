@@ -160,8 +160,9 @@ class Front(Protocol):
         """Stream one request; raises IngressError before or during the stream."""
         ...
 
-    async def abort(self, request_id: str, tenant: str = "") -> bool:
-        """Abort `tenant`'s request; False when it has none of that id."""
+    async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
+        """Abort `tenant`'s request; False when it has none of that id. `anywhere`: also one
+        another ingress replica streams (False: only this replica's own)."""
         ...
 
     def authenticate(self, api_key: str | None) -> TenantConfig:

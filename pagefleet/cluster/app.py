@@ -321,7 +321,8 @@ def ingress_options(config: ClusterConfig) -> dict[str, Any]:
 
 
 def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
-    """The scheduler actors (one per `scheduler.shards`) with the config's timeouts and watermarks."""
+    """The scheduler actors (one per `scheduler.shards`) with the config's timeouts, eviction
+    watermarks and migration policy."""
     from pagefleet.scheduler.actor import start_scheduler
 
     return tuple(
@@ -332,6 +333,7 @@ def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
             eviction=config.scheduler.eviction_watermarks(),
             stall_timeout_s=config.scheduler.stall_timeout_s,
             index_check_interval_s=config.scheduler.index_check_interval_s,
+            migration=config.scheduler.migration_policy(),
         )
         for shard in range(config.scheduler.shards)
     )

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pagefleet.cluster.router import RouterConfig
-from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks
+from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.config import DEFAULT_DTYPE, DTYPES, PREEMPTION_MODES, EngineConfig
 
@@ -211,6 +211,10 @@ class SchedulerConfig:
     `replica_aware_eviction`: workers evict cached blocks that another worker of
     the pool also holds before the last copies of a prefix (ahead of need and
     on allocation); false: plain LRU per worker. `policy: none` turns both off.
+
+    A worker short of blocks hands a request to another worker of its pool
+    with room for it plus `migration_margin_blocks` (`migration: false` turns
+    that off); a request migrates at most once per `migration_cooldown_s`.
     """
 
     policy: str = "watermark"
@@ -227,6 +231,9 @@ class SchedulerConfig:
     admission: str = "full"
     admission_overcommit: float = 1.0
     replica_aware_eviction: bool = True
+    migration: bool = True
+    migration_margin_blocks: int = 4
+    migration_cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
@@ -237,6 +244,9 @@ class SchedulerConfig:
                 "admission_overcommit",
                 f"must be a factor from 1.0 (never overcommit) to 100, got {self.admission_overcommit}",
             )
+        _at_least("migration_margin_blocks", self.migration_margin_blocks, 0)
+        if not self.migration_cooldown_s >= 0:
+            _fail("migration_cooldown_s", f"must be >= 0, got {self.migration_cooldown_s}")
         if not self.stall_timeout_s > 0:
             _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
         if not self.index_check_interval_s > 0:
@@ -266,6 +276,14 @@ class SchedulerConfig:
             return None
         return EvictionWatermarks(
             self.evict_low_watermark, self.evict_high_watermark, self.replica_aware_eviction
+        )
+
+    def migration_policy(self) -> MigrationPolicy | None:
+        """When the scheduler moves a request off a worker short of blocks (None: never)."""
+        if not self.migration:
+            return None
+        return MigrationPolicy(
+            margin_blocks=self.migration_margin_blocks, cooldown_s=self.migration_cooldown_s
         )
 
 

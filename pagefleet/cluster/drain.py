@@ -93,7 +93,7 @@ class Drain:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         left = list(self._active.values())
         for req in left:
-            await self._ingress.abort(req.request_id, req.tenant)
+            await self._ingress.abort(req.request_id, req.tenant, anywhere=False)
         if left:
             logger.warning(
                 "drain timeout (%.0fs): aborted %d requests still running", timeout_s, len(left)

@@ -150,7 +150,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
         except IngressError as exc:
             await context.abort(_STATUS_CODES[exc.code], exc.message)
-        # Scoped to the caller: another tenant's request of this id is "not found".
+        await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
+        # Scoped to the caller: another tenant's request of this id is "not found". Any
+        # replica finds it: the one that holds it, or the workers on behalf of another.
         return pb.AbortResponse(found=await self._ingress.abort(request.request_id, tenant.name))
 
     async def GetStatus(

@@ -18,11 +18,14 @@ stream simply continues. Greedy output is unchanged by the failover. The
 same happens when the scheduler takes a worker out of routing while it holds
 streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
 the streams move by recompute, and the hung copies are aborted, so their
-blocks are freed as soon as the worker wakes.
+blocks are freed as soon as the worker wakes. A stream the scheduler moves
+off a worker short of blocks (its last delta names the target worker) moves
+the same way, to that target.
 
 Several ingress replicas can run side by side; each has its own wait queue,
 metrics and health, and tags the request ids it sends to workers with its
-replica id, so ids stay unique cluster-wide.
+replica id, so ids stay unique cluster-wide. An abort that reaches a replica
+not holding the request is passed to the workers, which find it by its key.
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError, ObjectL
 
 class WorkerLeftRouting(Exception):
     """The scheduler took the worker out of routing (hung or silent) while a stream ran there."""
+
+
+class Migrated(Exception):
+    """The worker handed the stream off on the scheduler's order; it continues on `target`."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        self.target = target
 
 
 @dataclass
@@ -187,6 +198,7 @@ class Ingress:
         cached_tokens: int | None = None
         state: _Running | None = None
         finished = False
+        migrate_to: str | None = None  # the scheduler's target after a hand-off
         try:
             routed = admitted if isinstance(admitted, WorkerSlot) else await admitted.future
             if routed is None:  # aborted while waiting: it never reached a worker
@@ -217,19 +229,23 @@ class Ingress:
                         if item.token_ids and first_token_at is None:
                             first_token_at = time.monotonic()
                         finish = item.finish_reason
-                        if state.aborted and finish is None:
-                            continue  # the worker is aborting; its last delta says "abort"
-                        yield StreamDelta(
-                            request_id=req.request_id,
-                            token_ids=list(item.token_ids),
-                            text=item.text,
-                            finish_reason=finish,
-                            worker_id=state.slot.worker_id,
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=len(streamed),
-                            cached_tokens=cached_tokens or 0,
-                            logprobs=None if item.logprobs is None else list(item.logprobs),
-                        )
+                        aborting = state.aborted and finish is None
+                        # The worker is aborting: its last delta says "abort". A handed-off
+                        # stream's last delta says where it goes, and has tokens or not.
+                        if not aborting and (item.migrated_to is None or item.token_ids or item.text):
+                            yield StreamDelta(
+                                request_id=req.request_id,
+                                token_ids=list(item.token_ids),
+                                text=item.text,
+                                finish_reason=finish,
+                                worker_id=state.slot.worker_id,
+                                prompt_tokens=prompt_tokens,
+                                completion_tokens=len(streamed),
+                                cached_tokens=cached_tokens or 0,
+                                logprobs=None if item.logprobs is None else list(item.logprobs),
+                            )
+                        if item.migrated_to is not None:
+                            raise Migrated(item.migrated_to)
                         if finish is not None:
                             finished = True
                             self._observe_done(pool.name, started, first_token_at, len(streamed))
@@ -245,6 +261,13 @@ class Ingress:
                         ErrorCode.INTERNAL,
                         f"worker {state.slot.worker_id} failed: {type(exc.cause).__name__}: {exc.cause}",
                     ) from exc
+                except Migrated as exc:
+                    # The scheduler moved it off a worker short of blocks; that worker
+                    # freed its blocks already and stays a fine place for a later failover.
+                    migrate_to = exc.target
+                    state.tried.discard(state.slot.worker_id)
+                    if self.metrics is not None:
+                        self.metrics.migrations.labels(pool=pool.name).inc()
                 except (*WORKER_FAILURES, WorkerLeftRouting) as exc:
                     logger.warning(
                         "worker %s failed mid-stream of %s (%s); resubmitting",
@@ -265,9 +288,13 @@ class Ingress:
                         prompt_tokens, len(streamed), cached_tokens or 0,
                     )
                     return
+                # After a hand-off: the scheduler's target, or (if it left routing since)
+                # any live worker, the source included; after a failure: an untried one.
                 state.slot = self.admission.move(
-                    state.slot, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried
+                    state.slot, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried,
+                    target=self._migration_target(state.slot, migrate_to),
                 )
+                migrate_to = None
         finally:
             # A worker may have room now: `release` hands it to the next waiting request.
             if state is not None:
@@ -282,20 +309,55 @@ class Ingress:
             else:
                 self.admission.release(admitted, req.key)
 
-    async def abort(self, request_id: str, tenant: str = "") -> bool:
+    async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
         """Abort a running or waiting request of `tenant`; its stream ends with finish_reason
-        "abort". Another tenant's request of the same id is not found (False)."""
+        "abort". Another tenant's request of the same id is not found (False).
+
+        With `anywhere`, a request this replica does not hold is looked for on the
+        workers (another replica streams it); a drain passes False: it ends only
+        its own streams, and one that just finished must not hit another replica's
+        request of the same id."""
         request_id = scoped_request_id(tenant, request_id)
         if self.admission.cancel(request_id):
             return True
         state = self._running.get(request_id)
         if state is None:
-            return False
+            return anywhere and await self._abort_elsewhere(request_id, tenant)
         state.aborted = True
         # A dead worker needs no abort: the failover path ends the stream with "abort".
         with contextlib.suppress(*WORKER_FAILURES):
             await state.slot.handle.abort.remote(self._worker_rid(request_id))
         return True
+
+    async def _abort_elsewhere(self, key: str, tenant: str) -> bool:
+        """Abort a request another replica streams: the workers of the tenant's pools end
+        it (their stream, relayed by that replica, ends with "abort") and free its blocks.
+
+        The key is tenant-scoped, so another tenant's request is never found. A
+        request waiting in another replica's queue is not reached (it has no worker yet).
+        """
+        try:
+            pools = self.config.visible_pools(self.config.tenant(tenant))
+        except KeyError:
+            pools = self.config.visible_pools(None)
+        calls = [
+            slot.handle.abort_key.remote(key)
+            for name in pools
+            for slot in self.slots.pool(name)
+            if slot.alive
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        return any(answer is True for answer in answers)
+
+    def _migration_target(self, source: WorkerSlot, target: str | None) -> WorkerSlot | None:
+        """The worker the scheduler moved a stream to, if it can take it (live, same pool)."""
+        if target is None or target == source.worker_id:
+            return None
+        try:
+            slot = self.slots[target]
+        except KeyError:
+            return None
+        return slot if slot.alive and slot.pool == source.pool else None
 
     def _worker_rid(self, key: str) -> str:
         # `key` is unique per tenant at this replica (`GenerationRequest.key`); tagged with

@@ -152,6 +152,12 @@ class IngressMetrics:
             "failovers", "streams resumed on another worker after a worker failure", ("pool",),
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "migrations",
+            "streams moved off a worker short of blocks by the scheduler, resumed by recompute",
+            ("pool",),
+            registry=self.registry,
+        )
         tenant_labels = (*labels, "tenant")
         self._tenant_live = Gauge(
             "tenant_kv_blocks_live", "live KV blocks a tenant holds on the worker", tenant_labels,

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
 from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 
@@ -41,6 +41,7 @@ TICK_INTERVAL_S = 0.1
 SCHEDULER_NAME = SCHEDULER_ACTOR_NAME
 # SchedulerConfig's defaults: evict ahead when under 5% of a worker's blocks are free.
 DEFAULT_EVICTION = EvictionWatermarks(low=0.05, high=0.10)
+DEFAULT_MIGRATION = MigrationPolicy()
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class ReportAck:
     # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
     dead_replicas: tuple[str, ...] = ()
     duplicated: tuple[bytes, ...] | None = None
+    # (request id, target worker id): hand these requests off; the ingress resumes each
+    # on the target by recompute (the worker is short of blocks, the target has room).
+    migrate: tuple[tuple[str, str], ...] = ()
 
 
 class SchedulerActor:
@@ -75,12 +79,14 @@ class SchedulerActor:
         eviction: EvictionWatermarks | None = DEFAULT_EVICTION,
         stall_timeout_s: float = 3.0,
         index_check_interval_s: float = 10.0,
+        migration: MigrationPolicy | None = DEFAULT_MIGRATION,
     ) -> None:
         self._state = ClusterState(
             report_timeout_s=report_timeout_s,
             eviction=eviction,
             stall_timeout_s=stall_timeout_s,
             index_check_interval_s=index_check_interval_s,
+            migration=migration,
         )
         self._changed = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
@@ -102,9 +108,9 @@ class SchedulerActor:
     async def push(self, worker_id: str, report: bytes, kv_events: bytes) -> ReportAck:
         """Accept one push of a worker: its msgpack LoadReport and KVEventBatch.
 
-        The ack says whether to re-register, what to evict, and whether to
+        The ack says whether to re-register, what to evict, whether to
         send a snapshot next (after a sequence gap, for a new incarnation, or
-        for the periodic drift check).
+        for the periodic drift check), and which request to migrate where.
         """
         load = LoadReport.decode(report)
         batch = KVEventBatch.decode(kv_events)
@@ -112,9 +118,11 @@ class SchedulerActor:
             raise ValueError(f"push from {worker_id!r} carries worker_id {load.worker_id!r}")
         result = self._state.push(load, batch)
         self._wake()
+        move = self._state.migration_order(worker_id) if result.registered else None
         return ReportAck(
             self._state.generation, result.registered, result.evict_blocks, result.snapshot,
             self._state.dead_replicas(), result.duplicated,
+            () if move is None else ((move.request_id, move.target),),
         )
 
     async def subscribe(
@@ -154,6 +162,10 @@ class SchedulerActor:
             "snapshots": self._state.snapshots,
         }
 
+    async def migration_stats(self) -> dict[str, int]:
+        """Migrations ordered per pool by this incarnation."""
+        return dict(self._state.migrations)
+
     def _wake(self) -> None:
         # Wake every waiting subscriber; the next waiters get a fresh event.
         self._changed.set()
@@ -186,6 +198,7 @@ def start_scheduler(
     eviction: EvictionWatermarks | None = DEFAULT_EVICTION,
     stall_timeout_s: float = 3.0,
     index_check_interval_s: float = 10.0,
+    migration: MigrationPolicy | None = DEFAULT_MIGRATION,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 
@@ -197,7 +210,9 @@ def start_scheduler(
     `stall_timeout_s`: a worker with work that streams nothing this long leaves
     routing. `index_check_interval_s`: how often each worker is asked for a
     snapshot to measure index drift. `shard`: which scheduler shard (its actor
-    name, `shard_actor_name`). An existing actor keeps the settings it was started with.
+    name, `shard_actor_name`). `migration`: when a worker short of blocks hands
+    a request to another worker of its pool (None: never). An existing actor
+    keeps the settings it was started with.
     """
     options: dict[str, Any] = {
         "name": shard_actor_name(shard),
@@ -211,7 +226,7 @@ def start_scheduler(
     if detached:
         options["lifetime"] = "detached"
     return ray.remote(SchedulerActor).options(**options).remote(
-        report_timeout_s, eviction, stall_timeout_s, index_check_interval_s
+        report_timeout_s, eviction, stall_timeout_s, index_check_interval_s, migration
     )
 
 

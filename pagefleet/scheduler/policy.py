@@ -7,16 +7,20 @@ Used by the central scheduler and by workers alike, and testable without Ray:
   give beside what the requests already there will take (`claim_headroom`);
 - eviction: how many cached blocks a worker should evict to stay above its
   free-block watermark (`blocks_to_evict`);
+- migration: which request a worker short of blocks hands to which other
+  worker of its pool (`choose_migration`);
 
 The ingress wait queue (tenants' fair shares) is `scheduler.fair_queue`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from pagefleet.worker.block_table import request_claim
 from pagefleet.worker.events import LoadReport
+from pagefleet.worker.preemption import VictimCandidate, victim_order
 
 ADMISSION_MODES = ("full", "prompt")
 
@@ -105,6 +109,82 @@ def blocks_to_evict(report: LoadReport, marks: EvictionWatermarks) -> int:
         return 0
     target = int(marks.high * total + 0.999999)  # ceil without float surprises
     return max(0, min(report.cached_blocks, target - report.free_blocks))
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """When a worker short of blocks hands a request to another worker of its pool.
+
+    `margin_blocks`: the target must have room for the request plus this
+    many blocks (its own running sequences grow too). `cooldown_s`: a
+    request migrates at most once in this long (no ping-pong). `reserve_s`:
+    blocks promised to a target stay counted against its room this long, until
+    its reports show the moved request.
+    """
+
+    margin_blocks: int = 4
+    cooldown_s: float = 10.0
+    reserve_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.margin_blocks < 0:
+            raise ValueError(f"margin_blocks must be >= 0, got {self.margin_blocks}")
+        if not self.cooldown_s >= 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+        if not self.reserve_s >= 0:
+            raise ValueError(f"reserve_s must be >= 0, got {self.reserve_s}")
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Move `request_id` from `source` to `target` (by recompute); it needs `num_blocks` there."""
+
+    request_id: str
+    source: str
+    target: str
+    num_blocks: int
+
+
+def choose_migration(
+    source: LoadReport,
+    targets: Sequence[LoadReport],
+    block_size: int,
+    policy: MigrationPolicy,
+    *,
+    recently_migrated: Container[str] = (),
+    reserved: Mapping[str, int] | None = None,
+) -> Migration | None:
+    """The request a worker short of blocks should hand off, and where; None to keep all.
+
+    Nothing moves unless `source.blocks_short > 0`. The victim order is the
+    engine's (`worker.preemption.victim_order`): lowest priority, then most
+    recently admitted, skipping requests in `recently_migrated` (their
+    cooldown). The first victim that fits a target goes to the target with
+    the most room. A target is another worker of the pool (the caller passes
+    the live ones) that is not short itself and whose free + cached blocks,
+    less the `reserved` blocks promised to it, cover the victim's blocks plus
+    `policy.margin_blocks`.
+    """
+    if source.blocks_short <= 0 or not source.requests:
+        return None
+    reserved = reserved or {}
+    room = {
+        t.worker_id: t.num_allocatable - reserved.get(t.worker_id, 0) - policy.margin_blocks
+        for t in targets
+        if t.worker_id != source.worker_id and t.pool == source.pool and t.blocks_short <= 0
+    }
+    if not room:
+        return None
+    best = max(room, key=lambda w: (room[w], w))
+    candidates = [
+        VictimCandidate(r.request_id, r.priority, 0.0, r.admitted_seq, -(-r.num_tokens // block_size))
+        for r in source.requests
+        if r.request_id not in recently_migrated
+    ]
+    for victim in victim_order(candidates):
+        if victim.num_blocks <= room[best]:
+            return Migration(victim.request_id, source.worker_id, best, victim.num_blocks)
+    return None
 
 
 class ResourceExhausted(RuntimeError):

@@ -36,7 +36,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagefleet.scheduler.policy import EvictionWatermarks, blocks_to_evict
+from pagefleet.scheduler.policy import (
+    EvictionWatermarks,
+    Migration,
+    MigrationPolicy,
+    blocks_to_evict,
+    choose_migration,
+)
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 # Deltas kept for subscribers that are behind; older cursors get a snapshot.
@@ -197,6 +203,7 @@ class ClusterState:
         clock: Callable[[], float] = time.monotonic,
         eviction: EvictionWatermarks | None = None,
         log_size: int = DEFAULT_LOG_SIZE,
+        migration: MigrationPolicy | None = None,
     ) -> None:
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
@@ -223,6 +230,11 @@ class ClusterState:
         # Per pool, hash -> how many of its workers hold it: eviction drops replicated
         # prefixes first and the last copy last.
         self._copies: dict[str, dict[bytes, int]] = {}
+        # None: no cross-worker migration (each engine preempts inside its own pool).
+        self.migration = migration
+        self._migrated_at: dict[str, float] = {}  # request id -> when it was last moved
+        self._promised: list[tuple[float, str, int]] = []  # (when, target, blocks) of moves
+        self.migrations: dict[str, int] = {}  # per pool: migrations ordered so far
 
     # ----- membership -----------------------------------------------------
 
@@ -444,6 +456,47 @@ class ClusterState:
             return None
         entry.duplicated_sent = current
         return tuple(current)
+
+    # ----- migration ------------------------------------------------------
+
+    def migration_order(self, worker_id: str) -> Migration | None:
+        """A request the worker should hand to another worker of its pool, by its latest report.
+
+        `policy.choose_migration` decides among the pool's other live workers;
+        the move is then remembered: the request cannot move again for
+        `cooldown_s`, and its blocks count against the target's room for
+        `reserve_s` (until the target's reports show it).
+        """
+        entry = self._workers.get(worker_id)
+        if self.migration is None or entry is None or entry.report is None:
+            return None
+        if entry.report.blocks_short <= 0:
+            return None
+        now = self._clock()
+        policy = self.migration
+        self._migrated_at = {
+            rid: t for rid, t in self._migrated_at.items() if now - t < policy.cooldown_s
+        }
+        self._promised = [p for p in self._promised if now - p[0] < policy.reserve_s]
+        reserved: dict[str, int] = {}
+        for _, target, blocks in self._promised:
+            reserved[target] = reserved.get(target, 0) + blocks
+        targets = [
+            e.report
+            for e in self._workers.values()
+            if e is not entry and e.info.pool == entry.info.pool
+            and e.report is not None and self._alive(e, now)
+        ]
+        move = choose_migration(
+            entry.report, targets, entry.info.block_size, policy,
+            recently_migrated=self._migrated_at, reserved=reserved,
+        )
+        if move is not None:
+            self._migrated_at[move.request_id] = now
+            self._promised.append((now, move.target, move.num_blocks))
+            pool = entry.info.pool
+            self.migrations[pool] = self.migrations.get(pool, 0) + 1
+        return move
 
     # ----- liveness -------------------------------------------------------
 

@@ -13,13 +13,16 @@ to the ingress replicas. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
 for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
-without anyone calling it.
+without anyone calling it. The push's ack may order a hand-off (migration):
+the worker aborts that request and ends its stream with `migrated_to`, and
+the ingress resumes it on the named worker by recompute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
@@ -72,6 +75,8 @@ class WorkerActor:
         self._kv_seq = 0
         self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
         self._active: set[str] = set()  # ids of the requests streaming now
+        self._migrating: dict[str, str] = {}  # request id -> worker it is handed to
+        self._preemptions_seen = 0
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
             self._ensure_reporter()
@@ -97,16 +102,42 @@ class WorkerActor:
                 if out.error is not None:  # this request alone failed; the engine goes on
                     yield TokenDelta(error=out.error, error_code="internal")
                     return
+                target = self._migrating.get(request_id)
+                if target is not None and out.finish_reason == "abort":
+                    # Handed off (its blocks are free already): the ingress resumes it there.
+                    delta = TokenDelta.from_output(out)
+                    yield dataclasses.replace(delta, finish_reason=None, migrated_to=target)
+                    return
                 yield TokenDelta.from_output(out)
         except RequestError as exc:
             yield TokenDelta(error=str(exc))
         finally:
             self._active.discard(request_id)
+            self._migrating.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
         between two engine steps, and its stream ends with finish_reason "abort"."""
         self._engine.abort(request_id)
+
+    async def abort_key(self, key: str) -> bool:
+        """Abort the streaming request whose id is `key` tagged by any ingress replica
+        (`<key>@<replica>`): how a replica that does not hold the stream aborts it.
+        Returns whether one was found."""
+        found = False
+        for request_id in list(self._active):
+            if request_id.rpartition("@")[0] == key:
+                self._engine.abort(request_id)
+                found = True
+        return found
+
+    def _migrate(self, request_id: str, target: str) -> None:
+        """Hand a request off on the scheduler's order: abort it here (its blocks return to
+        the pool between two steps) and end its stream with `migrated_to=target`."""
+        if request_id in self._active and request_id not in self._migrating:
+            logger.info("worker %s: migrating %s to %s", self.worker_id, request_id, target)
+            self._migrating[request_id] = target
+            self._engine.abort(request_id)
 
     # ----- state --------------------------------------------------------
 
@@ -145,11 +176,17 @@ class WorkerActor:
     def _load_report(self) -> bytes:
         self._report_seq += 1
         claims = self._engine.block_claims()
+        stats = self._engine.stats()
+        # A preemption for want of a block since the last report means short of
+        # blocks, even when the victim got back in before this report was taken.
+        blocks_short, requests, self._preemptions_seen = self._engine.migration_load(
+            self._preemptions_seen
+        )
         return LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,
             self._report_seq,
-            self._engine.stats(),
+            stats,
             tenant_live_blocks=self._engine.tenant_live_blocks(),
             tenant_cap_refusals=self._engine.tenant_cap_refusals(),
             incarnation=self.incarnation,
@@ -157,6 +194,8 @@ class WorkerActor:
             committed_blocks=claims.committed,
             priority_claims=claims.by_priority,
             origin_claims=_by_origin(claims.by_request),
+            blocks_short=blocks_short,
+            requests=requests,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:
@@ -204,6 +243,8 @@ class WorkerActor:
                     snapshot = ack.snapshot
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))
+                    for request_id, target in ack.migrate:
+                        self._migrate(request_id, target)
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     else:

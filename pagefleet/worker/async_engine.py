@@ -21,6 +21,7 @@ from typing import Any
 
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import BlockClaims, LLMEngine
+from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -159,6 +160,18 @@ class AsyncEngine:
         """`LLMEngine.block_claims`, between two steps."""
         with self._lock:
             return self.engine.block_claims()
+
+    def migration_load(self, preemptions_seen: int) -> tuple[int, list[RequestLoad], int]:
+        """(blocks short, requests, preemptions for want of a block so far), between two steps.
+
+        Blocks short is `LLMEngine.blocks_short`, at least 1 when the engine
+        preempted for want of a block since `preemptions_seen`; the requests
+        (`LLMEngine.request_loads`) only when it is above 0.
+        """
+        with self._lock:
+            count = self.engine.scheduler.block_preemptions
+            short = max(self.engine.blocks_short(), 1 if count > preemptions_seen else 0)
+            return short, self.engine.request_loads() if short > 0 else [], count
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""

@@ -106,6 +106,7 @@ class BatchScheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.preemptions = {"recompute": 0, "swap": 0}
+        self.block_preemptions = 0  # of those, for want of a block (not a tenant's cap)
         self.swaps_out = 0
         self.swaps_in = 0
         self.swap_used_bytes = 0
@@ -292,6 +293,7 @@ class BatchScheduler:
             by_id = {s.seq_id: s for s in [seq, *others]}
             victim = by_id[victims[0]]
             self.preempt(victim)
+            self.block_preemptions += 1
             if victim is seq:
                 return False
 

@@ -157,6 +157,11 @@ class BlockPool:
         """Whether a block (live or cached) is registered under `block_hash`."""
         return block_hash in self._cached
 
+    def is_live(self, block_hash: bytes) -> bool:
+        """Whether a block registered under `block_hash` is in use (ref count > 0)."""
+        block = self._cached.get(block_hash)
+        return block is not None and self._ref[block] > 0
+
     def stats(self) -> PoolStats:
         """The counters now."""
         return PoolStats(

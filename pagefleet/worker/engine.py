@@ -24,6 +24,7 @@ from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.offload import HostOffloadTier, TierStats
@@ -475,6 +476,43 @@ class LLMEngine:
         return BlockClaims(
             committed, {p: (n, b) for p, (n, b) in by_priority.items()}, by_request
         )
+
+    def blocks_short(self) -> int:
+        """Blocks the waiting and swapped sequences lack beyond free + cached now (0: all fit).
+
+        An estimate for the cluster scheduler, which moves work to a worker
+        with room when this stays above 0: each sequence needs its tokens'
+        blocks less the leading ones it shares with running sequences (its own,
+        cached when it was preempted, are part of the free + cached count).
+        """
+        sched = self.scheduler
+        bs = self.config.block_size
+        need = 0
+        for seq in [*sched.waiting, *sched.swapped]:
+            shared = 0
+            if self.config.enable_prefix_caching:
+                for h in seq.full_block_hashes(seq.num_tokens - 1, bs):
+                    if not self.pool.is_live(h):
+                        break
+                    shared += 1
+            need += -(-seq.num_tokens // bs) - shared
+        return max(0, need - self.pool.num_allocatable)
+
+    def request_loads(self) -> list[RequestLoad]:
+        """Every single-completion request, as a migration candidate (`RequestLoad`).
+
+        A request not admitted yet (or preempted back to waiting before it
+        ever ran) counts as admitted after all the others: the latest.
+        """
+        sched = self.scheduler
+        latest = max((s.admitted_seq for s in sched.running), default=0)
+        out: list[RequestLoad] = []
+        for seq in [*sched.running, *sched.swapped, *sched.waiting]:
+            if seq.request.params.n != 1:
+                continue  # a resumed stream carries one completion's tokens
+            admitted = seq.admitted_seq if seq.admitted_seq >= 0 else latest + 1 + len(out)
+            out.append(RequestLoad(seq.request.request_id, seq.priority, admitted, seq.num_tokens))
+        return out
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """Per salt: admissions deferred and sequences preempted because of the tenant's cap."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -87,6 +87,33 @@ def _priority_claims(obj: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
     return out
 
 
+class RequestLoad(NamedTuple):
+    """One request of a worker short of blocks, as the scheduler weighs it for migration.
+
+    `admitted_seq` orders admissions (larger: admitted later; a request never
+    admitted yet counts as the latest); `num_tokens` is prompt + generated,
+    what a recompute elsewhere has to hold.
+    """
+
+    request_id: str
+    priority: int
+    admitted_seq: int
+    num_tokens: int
+
+
+def _request_loads(obj: Mapping[str, Any]) -> tuple[RequestLoad, ...]:
+    raw = _get(obj, "requests", list)
+    out = []
+    for item in raw:
+        if (
+            not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item[1:])
+        ):
+            raise EventDecodeError("field 'requests' must hold [str, int, int, int] entries")
+        out.append(RequestLoad(*item))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """One worker's KV pool counters and queue lengths at one moment.
@@ -132,6 +159,12 @@ class LoadReport:
     # Per ingress replica: the blocks its requests here claim in all, so a replica can
     # swap its own part of the report for its exact, never stale, account.
     origin_claims: Mapping[str, int] = field(default_factory=dict)
+    # Short of blocks: what its waiting sequences lack beyond free + cached (at least 1
+    # after a preemption for want of a block since the previous report); 0 when
+    # everything fits. Only then does the report list `requests`, the candidates the
+    # scheduler may migrate.
+    blocks_short: int = 0
+    requests: tuple[RequestLoad, ...] = ()
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -190,6 +223,8 @@ class LoadReport:
                 # msgpack map keys must be strings here (strict_map_key)
                 "priority_claims": {str(p): list(c) for p, c in self.priority_claims.items()},
                 "origin_claims": dict(self.origin_claims),
+                "blocks_short": self.blocks_short,
+                "requests": [list(r) for r in self.requests],
             },
             use_bin_type=True,
         )
@@ -230,6 +265,8 @@ class LoadReport:
             committed_blocks=_get(obj, "committed", int) if "committed" in obj else 0,
             priority_claims=_priority_claims(obj) if "priority_claims" in obj else {},
             origin_claims=_count_map(obj, "origin_claims") if "origin_claims" in obj else {},
+            blocks_short=_get(obj, "blocks_short", int) if "blocks_short" in obj else 0,
+            requests=_request_loads(obj) if "requests" in obj else (),
         )
 
     @classmethod
@@ -248,6 +285,8 @@ class LoadReport:
         committed_blocks: int = 0,
         priority_claims: Mapping[int, tuple[int, int]] | None = None,
         origin_claims: Mapping[str, int] | None = None,
+        blocks_short: int = 0,
+        requests: Iterable[RequestLoad] = (),
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -300,6 +339,8 @@ class LoadReport:
             committed_blocks=committed_blocks,
             priority_claims=dict(priority_claims or {}),
             origin_claims=dict(origin_claims or {}),
+            blocks_short=blocks_short,
+            requests=tuple(requests),
         )
 
 

@@ -40,6 +40,9 @@ class TokenDelta:
     were not finite. The stream ends there, and the worker is not failed.
     `logprobs` (with `SamplingParams.logprobs`): one
     `(token_id, logprob, ((id, logprob), ...))` per token of `token_ids`.
+    `migrated_to` (a worker id) ends the stream without a finish: the worker
+    handed the request off on the scheduler's order (its blocks are free
+    already), and the ingress resumes it there by recompute.
     """
 
     token_ids: tuple[int, ...] = ()
@@ -51,6 +54,7 @@ class TokenDelta:
     error: str | None = None
     error_code: str = "invalid_argument"
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
+    migrated_to: str | None = None
 
     @classmethod
     def from_output(cls, out: Any) -> TokenDelta:

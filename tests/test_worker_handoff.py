@@ -1,0 +1,171 @@
+"""The worker's side of migration and of aborts from any ingress replica, without a cluster.
+
+A `WorkerActor` is a plain class: here it runs in-process around a tiny engine
+(no report loop), so the tests drive its streams directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from pagefleet import LLM, SamplingParams
+from pagefleet.worker.actor import WorkerActor
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.engine import LLMEngine
+from pagefleet.worker.events import LoadReport
+from pagefleet.worker.wire import TokenDelta, WorkerRequest
+
+BLOCK_SIZE = 4
+LONG = SamplingParams(max_tokens=100, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64)
+
+
+def _actor() -> WorkerActor:
+    config = EngineConfig(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64)
+    return WorkerActor("w0", "default", config, report_interval_s=0)
+
+
+def _request(request_id: str, prompt: str) -> WorkerRequest:
+    return WorkerRequest(request_id, prompt, LONG)
+
+
+async def _take(stream: AsyncIterator[TokenDelta], n_tokens: int) -> list[TokenDelta]:
+    """Deltas until at least `n_tokens` tokens came."""
+    got: list[TokenDelta] = []
+    while sum(len(d.token_ids) for d in got) < n_tokens:
+        got.append(await anext(stream))
+    return got
+
+
+async def _settled(actor: WorkerActor) -> dict[str, int]:
+    """The engine's counters once nothing is live (aborts apply between two steps)."""
+    for _ in range(500):
+        stats = await actor.stats()
+        if stats["live"] == 0 and stats["num_running"] == 0:
+            return stats
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"blocks still live: {stats}")
+
+
+def test_a_handed_off_request_ends_its_stream_naming_the_target_and_frees_its_blocks(
+    offline: LLM,
+) -> None:
+    prompt = "This request moves to another worker halfway"
+    want = offline.generate(prompt, LONG)[0].token_ids
+
+    async def main() -> tuple[list[TokenDelta], dict[str, int]]:
+        actor = _actor()
+        stream = actor.generate(_request("k@r1", prompt))
+        got = await _take(stream, 5)
+        actor._migrate("k@r1", "w1")
+        got += [d async for d in stream]
+        return got, await _settled(actor)
+
+    got, stats = asyncio.run(main())
+    last = got[-1]
+    assert last.migrated_to == "w1" and last.finish_reason is None and last.error is None
+    assert all(d.migrated_to is None and d.finish_reason is None for d in got[:-1])
+    streamed = [t for d in got for t in d.token_ids]
+    assert 5 <= len(streamed) < len(want) and streamed == want[: len(streamed)]
+    assert stats["free"] + stats["cached"] == stats["total"]
+
+
+def test_abort_by_key_ends_the_request_of_that_key_whichever_replica_sent_it() -> None:
+    async def main() -> tuple[bool, bool, list[TokenDelta], list[TokenDelta], dict[str, int]]:
+        actor = _actor()
+        # Two tenants' requests with the same client id "x", sent by two replicas.
+        mine = actor.generate(_request("1:a:x@replica-1", "Tenant a streams this"))
+        theirs = actor.generate(_request("1:b:x@replica-2", "Tenant b streams this"))
+        await _take(mine, 1)
+        await _take(theirs, 1)
+        unknown = await actor.abort_key("1:c:x")
+        found = await actor.abort_key("1:a:x")
+        rest_mine = [d async for d in mine]
+        more_theirs = await _take(theirs, 3)
+        await theirs.aclose()  # the client leaves: aborted too
+        return unknown, found, rest_mine, more_theirs, await _settled(actor)
+
+    unknown, found, rest_mine, more_theirs, stats = asyncio.run(main())
+    assert not unknown and found
+    assert rest_mine[-1].finish_reason == "abort"
+    assert all(d.finish_reason is None for d in more_theirs)  # the other tenant's runs on
+    assert stats["free"] + stats["cached"] == stats["total"]
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Iterator[LLMEngine]:
+    yield LLMEngine(EngineConfig(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=16))
+
+
+def test_an_engine_short_of_blocks_says_so_and_lists_its_requests_latest_admitted_last(
+    small_engine: LLMEngine,
+) -> None:
+    engine = small_engine
+    for i in range(2):  # 3 prompt blocks each, growing to 12
+        engine.add_request(f"r{i}", f"Two run {i}", SamplingParams(max_tokens=36, ignore_eos=True))
+    while min(len(s.token_ids) for r in engine.requests.values() for s in r.sequences) < 24:
+        engine.step()
+    assert engine.scheduler.preemptions["recompute"] == 0 and engine.blocks_short() == 0
+    # 12 of 16 blocks live: a 6-block prompt cannot be admitted.
+    engine.add_request("r2", list(range(10, 34)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.blocks_short() >= 2
+    loads = {r.request_id: r for r in engine.request_loads()}
+    assert set(loads) == {"r0", "r1", "r2"}
+    assert loads["r2"].admitted_seq > max(loads["r0"].admitted_seq, loads["r1"].admitted_seq)
+    assert loads["r2"].num_tokens == 24 and loads["r0"].num_tokens >= 25
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks_short() == 0 and engine.request_loads() == []
+    stats = engine.stats()
+    assert stats["free"] + stats["cached"] == stats["total"]
+
+
+def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
+    async def main() -> LoadReport:
+        actor = WorkerActor(
+            "w0", "default",
+            EngineConfig(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=16),
+            report_interval_s=0,
+        )
+        params = SamplingParams(max_tokens=48, ignore_eos=True)
+        streams = [
+            actor.generate(WorkerRequest(f"r{i}@r1", f"Two run {i}", params)) for i in range(2)
+        ]
+        await asyncio.gather(*(_take(s, 1) for s in streams))
+        # The streams buffer; the engine runs on until one of them is preempted.
+        while (await actor.stats())["preemptions_total"] == 0:
+            await asyncio.sleep(0.002)
+        report = LoadReport.decode(actor._load_report())
+        for s in streams:
+            await s.aclose()
+        await _settled(actor)
+        return report
+
+    report = asyncio.run(main())
+    assert report.blocks_short >= 1
+    # The victim (admitted last) is still running or waiting; the other may be done.
+    assert "r1@r1" in {r.request_id for r in report.requests} <= {"r0@r1", "r1@r1"}
+
+
+def test_preemptions_that_keep_a_tenant_within_its_cap_do_not_mark_the_engine_short() -> None:
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64,
+            tenant_max_live_blocks=(("capped", 8),),
+        )
+    )
+    params = SamplingParams(max_tokens=24, ignore_eos=True)  # up to 7 blocks each
+    for i in range(2):
+        engine.add_request(f"c{i}", f"Capped {i}", params, salt="capped")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.preemptions["recompute"] > 0  # the cap preempted
+    assert engine.scheduler.block_preemptions == 0  # the pool never ran short
