@@ -55,7 +55,8 @@ if [[ "$dry_run" -eq 1 ]]; then
   step triton_tests 120 python -m pytest -q --collect-only tests/test_kernels_triton.py tests/test_write_kv.py
   step kernels 300 python benchmarks/kernels.py --smoke
   step engine 600 python benchmarks/gpu_engine.py --smoke
-  step offload 600 python benchmarks/offload.py --smoke --model smollm2-135m-instruct
+  # One torch thread: two threads on a loaded 2-core machine run many times slower.
+  step offload 600 python benchmarks/offload.py --smoke --model smollm2-135m-instruct --threads 1
 else
   # Time limits add up to 480 s. The engine step converts the SmolLM2 GGUF once
   # (cached on disk); the offload step reuses it.
