@@ -1,10 +1,11 @@
-"""Helpers shared by the engine benchmarks (throughput.py, prefix_cache.py)."""
+"""Helpers shared by the engine benchmarks (throughput.py, prefix_cache.py, offload.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,49 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def timed_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
+                   together: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Run `prompts` through `engine` (an `LLMEngine`), greedy, EOS ignored, and time them.
+
+    Requests arrive one per engine step (`together`: all before the first step).
+    Returns wall and process CPU seconds of the whole run, engine steps, mean
+    time to first token, output tokens/s, the cached tokens each request started with (summed)
+    and every request's output tokens, in prompt order.
+    """
+    from pagefleet import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    added: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    cached: dict[str, int] = {}
+    answers: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    while pending or engine.has_unfinished_requests():
+        steps += 1
+        while pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+            added[str(i)] = time.perf_counter()
+            if not together:
+                break
+        for out in engine.step():
+            if out.request_id not in ttft and out.new_token_ids:
+                ttft[out.request_id] = time.perf_counter() - added[out.request_id]
+                cached[out.request_id] = out.num_cached_tokens
+            if out.finished:
+                answers[out.request_id] = out.token_ids
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu_start,
+        "steps": steps,
+        "ttft": sum(ttft.values()) / len(ttft),
+        "tokens_per_s": len(prompts) * max_tokens / seconds,
+        "cached": sum(cached.values()),
+        "answers": [answers[str(i)] for i in range(len(prompts))],
+    }

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One command for one GPU, about 8 minutes in all: the Triton tests on CUDA (bf16
-# included), the kernel benchmark, and the engine on SmolLM2 in bf16 against HF
-# generate on the same GPU. Writes the tables into docs/benchmarks.md (section
-# "GPU check", replaced on each run) with the date and the card.
+# One command for one GPU, 8 minutes at most: the Triton tests on CUDA (bf16
+# included), the kernel benchmark, the engine on SmolLM2 in bf16 against HF
+# generate on the same GPU, and the KV offload tier on SmolLM2 in bf16 (pinned
+# host memory, copies on a side stream) against recompute. Writes the tables into
+# docs/benchmarks.md (section "GPU check", replaced on each run) with the date
+# and the card.
 #
 #   bash benchmarks/gpu_check.sh            # on a GPU machine
-#   bash benchmarks/gpu_check.sh --dry-run  # CPU: collects the tests, runs both
+#   bash benchmarks/gpu_check.sh --dry-run  # CPU: collects the tests, runs the
 #                                           # benchmarks at --smoke size, and prints
 #                                           # the section instead of writing it
 #
@@ -53,10 +55,16 @@ if [[ "$dry_run" -eq 1 ]]; then
   step triton_tests 120 python -m pytest -q --collect-only tests/test_kernels_triton.py tests/test_write_kv.py
   step kernels 300 python benchmarks/kernels.py --smoke
   step engine 600 python benchmarks/gpu_engine.py --smoke
+  # One torch thread: two threads on a loaded 2-core machine run many times slower.
+  step offload 600 python benchmarks/offload.py --smoke --model smollm2-135m-instruct --threads 1
 else
+  # Time limits add up to 480 s. The engine step converts the SmolLM2 GGUF once
+  # (cached on disk); the offload step reuses it.
   step triton_tests 180 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_write_kv.py
-  step kernels 150 python benchmarks/kernels.py
-  step engine 150 python benchmarks/gpu_engine.py --device cuda --dtype bfloat16
+  step kernels 120 python benchmarks/kernels.py
+  step engine 120 python benchmarks/gpu_engine.py --device cuda --dtype bfloat16
+  step offload 60 python benchmarks/offload.py --model smollm2-135m-instruct --device cuda \
+    --dtype bfloat16 --conversations 16 --history 320 --rounds 4
 fi
 
 section="$work/section.md"
@@ -65,7 +73,7 @@ section="$work/section.md"
   echo "## GPU check ($(date -u +%Y-%m-%d), ${card})"
   echo
   echo "Command: \`bash benchmarks/gpu_check.sh\`$([[ "$dry_run" -eq 1 ]] && echo ' --dry-run (CPU, smoke sizes)')."
-  for name in triton_tests kernels engine; do
+  for name in triton_tests kernels engine offload; do
     echo
     echo "### $name"
     echo

@@ -19,7 +19,7 @@ to first token, output tokens/s, and the ratios on/off.
 from __future__ import annotations
 
 import argparse
-import time
+from typing import Any
 
 import _engine_bench as common
 from throughput import FULL_MODEL, SMOKE_MODEL
@@ -38,36 +38,15 @@ def workload(groups: int, per_group: int, system_len: int, question_len: int) ->
 
 
 def run(model_dir: object, prompts: list[list[int]], max_tokens: int, caching: bool,
-        together: bool = False) -> dict[str, float]:
-    from pagefleet import LLM, SamplingParams
+        together: bool = False) -> dict[str, Any]:
+    from pagefleet import LLM
 
     llm = LLM(model=model_dir, block_size=BLOCK_SIZE, num_kv_blocks=1024,
               enable_prefix_caching=caching, max_num_batched_tokens=2048)
-    engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    added: dict[str, float] = {}
-    ttft: dict[str, float] = {}
-    pending = list(enumerate(prompts))
-    start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        while pending:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-            added[str(i)] = time.perf_counter()
-            if not together:
-                break
-        for out in engine.step():
-            if out.request_id not in ttft and out.new_token_ids:
-                ttft[out.request_id] = time.perf_counter() - added[out.request_id]
-    seconds = time.perf_counter() - start
+    result = common.timed_requests(llm.engine, prompts, max_tokens, together=together)
     stats = llm.stats()
     llm.check_integrity()
-    return {
-        "seconds": seconds,
-        "hit_tokens": stats["prefix_hit_tokens"],
-        "ttft": sum(ttft.values()) / len(ttft),
-        "tokens_per_s": len(prompts) * max_tokens / seconds,
-    }
+    return {**result, "hit_tokens": stats["prefix_hit_tokens"]}
 
 
 def main() -> None:

@@ -5,11 +5,18 @@ Two parts:
 - `BlockTransfer` is the one copy path between the device KV tensor and host
   memory. Swap preemption (`KVCache.swap_out` / `swap_in`) and the offload tier
   both use it. Host buffers are block-major (`[n, layers, 2, block_size,
-  kv_heads, head_dim]`, one contiguous run per block, so a copy is one DMA per
-  run of slots); on CUDA they are pinned and copies run on a side stream that
-  first waits for the compute stream (the blocks' K/V were written there), and
-  the compute stream waits for the side stream (`wait`) before the next forward
-  writes into any block a copy still reads. On CPU a copy is a plain memcpy.
+  kv_heads, head_dim]`, one contiguous run per block). On CPU a copy is one
+  gather or scatter (memcpy). On CUDA the host buffers are pinned and copies
+  run on a side stream, ordered by events: the side stream first waits for an
+  event recorded on the compute stream (the blocks' K/V were written there, or
+  it may still read blocks a copy overwrites); a spill gathers its blocks into
+  a device staging tensor and records `kv_done`, then copies that to the host
+  asynchronously; a load copies host -> staging -> blocks and records
+  `kv_done`. Before the next forward the compute stream waits for `kv_done`
+  only (`wait`), so it may reuse spilled blocks and read loaded ones, while a
+  spill's device-to-host transfer overlaps with the forward. Staging tensors
+  are allocated on the side stream, so the caching allocator reuses their
+  memory only for later side-stream work, after the copies that read them.
 - `KVTier` is the interface of a tier behind the pool (`match`, `store`,
   `load`, events, `check_integrity`), so a local-disk tier can follow;
   `HostOffloadTier` is the host-memory one: `capacity_bytes` of blocks keyed
@@ -22,6 +29,7 @@ a hash held only by the tier is "offloaded-only" (it has no pool block).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -43,11 +51,18 @@ class BlockTransfer:
                 f"got {kv_tensor.dim()} dims"
             )
         self._kv = kv_tensor
+        # Block-major view of the same memory: [num_blocks, layers, 2, block_size, kv_heads,
+        # head_dim], so that gathering blocks gives host-layout rows in one copy.
+        self._blocks = kv_tensor.movedim(2, 0)
         self.device = kv_tensor.device
         layers, two, _, block_size, kv_heads, head_dim = kv_tensor.shape
         self.block_shape: tuple[int, ...] = (layers, two, block_size, kv_heads, head_dim)
         self.bytes_per_block = kv_tensor[:, :, 0].numel() * kv_tensor.element_size()
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # Recorded on the side stream after the last copy that reads or writes the
+        # KV tensor; the compute stream waits on it (`wait`) before its next forward.
+        self._kv_done = torch.cuda.Event() if cuda else None
 
     def host_buffer(self, num_blocks: int) -> torch.Tensor:
         """Uninitialised host memory for `num_blocks` blocks (pinned when the KV is on CUDA)."""
@@ -60,20 +75,32 @@ class BlockTransfer:
     def to_host(
         self, block_ids: Sequence[int], host: torch.Tensor, host_slots: Sequence[int]
     ) -> int:
-        """Copy device blocks `block_ids` into `host[host_slots]`; returns the bytes copied."""
+        """Copy device blocks `block_ids` into `host[host_slots]`; returns the bytes copied.
+
+        On CUDA the copy is asynchronous: `host` is complete after `synchronize`
+        (later copies on the side stream, such as `to_device`, are ordered after it).
+        """
         if len(block_ids) != len(host_slots):
             raise ValueError(f"{len(block_ids)} blocks for {len(host_slots)} host slots")
         if not block_ids:
             return 0
+        if self._stream is None:
+            # Gather each run of slots straight into the host rows: one memcpy per block.
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+            for start, end, first in _runs(host_slots):
+                torch.index_select(self._blocks, 0, ids[start:end],
+                                   out=host[first : first + end - start])  # fmt: skip
+            return len(block_ids) * self.bytes_per_block
+        assert self._kv_done is not None
         with self._on_side_stream():
             ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-            gathered = self._kv.index_select(2, ids).movedim(2, 0)
-            if self._stream is None:
-                host.index_copy_(0, torch.as_tensor(list(host_slots), dtype=torch.long), gathered)
-            else:
-                staged = gathered.contiguous()
-                for start, end, first in _runs(host_slots):
-                    host[first : first + end - start].copy_(staged[start:end], non_blocking=True)
+            # One gather on the device reads the blocks; from here on the pool may
+            # reuse them, so the compute stream only waits for this part...
+            staged = self._blocks.index_select(0, ids)
+            self._kv_done.record(self._stream)
+            # ... while the device-to-host copies overlap with the next forward.
+            for start, end, first in _runs(host_slots):
+                host[first : first + end - start].copy_(staged[start:end], non_blocking=True)
         return len(block_ids) * self.bytes_per_block
 
     def to_device(
@@ -84,26 +111,31 @@ class BlockTransfer:
             raise ValueError(f"{len(host_slots)} host slots for {len(block_ids)} blocks")
         if not block_ids:
             return 0
+        if self._stream is None:
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+            for start, end, first in _runs(host_slots):
+                self._blocks.index_copy_(0, ids[start:end], host[first : first + end - start])
+            return len(block_ids) * self.bytes_per_block
+        assert self._kv_done is not None
         with self._on_side_stream():
             ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-            if self._stream is None:
-                data = host.index_select(0, torch.as_tensor(list(host_slots), dtype=torch.long))
-            else:
-                data = torch.empty((len(block_ids), *self.block_shape), dtype=host.dtype,
-                                   device=self.device)
-                for start, end, first in _runs(host_slots):
-                    data[start:end].copy_(host[first : first + end - start], non_blocking=True)
-            self._kv.index_copy_(2, ids, data.movedim(0, 2))
+            staged = torch.empty((len(block_ids), *self.block_shape), dtype=host.dtype,
+                                 device=self.device)  # fmt: skip
+            for start, end, first in _runs(host_slots):
+                staged[start:end].copy_(host[first : first + end - start], non_blocking=True)
+            self._blocks.index_copy_(0, ids, staged)
+            self._kv_done.record(self._stream)  # the next forward reads these blocks
         return len(block_ids) * self.bytes_per_block
 
     def wait(self) -> None:
-        """Make the compute stream wait for every copy issued so far (no-op on CPU).
+        """Make the compute stream wait until the copies issued so far are done with the KV.
 
-        Called before each forward: a block just evicted (still being copied out)
-        may be written by it, and a block just loaded is read by it.
+        Called before each forward: a block just evicted (still being gathered
+        out) may be written by it, and a block just loaded is read by it. The
+        device-to-host part of a spill is not waited for (no-op on CPU).
         """
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._kv_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._kv_done)
 
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has finished (no-op on CPU)."""
@@ -112,12 +144,14 @@ class BlockTransfer:
 
     @contextmanager
     def _on_side_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
+        assert self._stream is not None
         # The copy reads K/V the compute stream wrote (or overwrites blocks it may
-        # still read): order it after everything queued there so far.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        # still read): order it after everything queued there so far. Tensors made
+        # inside are allocated on the side stream, so the caching allocator reuses
+        # their memory only for later work on that stream, after these copies.
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(self.device))
+        self._stream.wait_event(queued)
         with torch.cuda.stream(self._stream):
             yield
 
@@ -141,6 +175,10 @@ class TierStats:
     offload_bytes_in: int  # tier -> pool (copied back on a hit)
     offload_bytes_out: int  # pool -> tier (spilled on eviction)
     offload_evictions: int
+    # Host nanoseconds inside `store` / `load` (bookkeeping and copies; on CUDA the
+    # copies are asynchronous, so this is the time to issue them).
+    offload_store_ns: int
+    offload_load_ns: int
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (merged into `LLMEngine.stats()`)."""
@@ -194,6 +232,9 @@ class HostOffloadTier(KVTier):
         self.block_size = block_size
         self.capacity_blocks = int(capacity)
         self.host = transfer.host_buffer(self.capacity_blocks)
+        # Touch every page now (pinned memory is resident already): otherwise the
+        # first-touch page faults land inside spills, on the serving path.
+        self.host.zero_()
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free = list(range(self.capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._events: dict[bytes, str] = {}
@@ -201,6 +242,8 @@ class HostOffloadTier(KVTier):
         self._bytes_in = 0
         self._bytes_out = 0
         self._evictions = 0
+        self._store_ns = 0
+        self._load_ns = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slots
@@ -214,6 +257,7 @@ class HostOffloadTier(KVTier):
         return n
 
     def store(self, blocks: Sequence[tuple[bytes, int]]) -> None:
+        start = time.perf_counter_ns()
         copy_blocks: list[int] = []
         copy_slots: list[int] = []
         slots = self._slots
@@ -237,8 +281,10 @@ class HostOffloadTier(KVTier):
             copy_slots.append(slot)
             self._event("offload_stored", h)
         self._bytes_out += self.transfer.to_host(copy_blocks, self.host, copy_slots)
+        self._store_ns += time.perf_counter_ns() - start
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        start = time.perf_counter_ns()
         slots = []
         for h in hashes:
             slot = self._slots.get(h)
@@ -248,6 +294,7 @@ class HostOffloadTier(KVTier):
             slots.append(slot)
         self._bytes_in += self.transfer.to_device(self.host, slots, block_ids)
         self._hit_tokens += len(slots) * self.block_size
+        self._load_ns += time.perf_counter_ns() - start
 
     def stats(self) -> TierStats:
         return TierStats(
@@ -257,6 +304,8 @@ class HostOffloadTier(KVTier):
             offload_bytes_in=self._bytes_in,
             offload_bytes_out=self._bytes_out,
             offload_evictions=self._evictions,
+            offload_store_ns=self._store_ns,
+            offload_load_ns=self._load_ns,
         )
 
     def _event(self, kind: str, block_hash: bytes) -> None:
