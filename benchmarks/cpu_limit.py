@@ -19,16 +19,28 @@ Peers, all in this process on the same requests:
 - HF `generate`, one request at a time (`--sequential` requests of the 32,
   every k-th, so the run stays short; tokens/s over those);
 - transformers' `generate_batch` (its continuous batching, CPU path);
-- llama.cpp through `llama-cpp-python` on the GGUF file (`--gguf`), all
-  sequences in one batch per decode step, when the package is installed
-  (skipped with a note otherwise).
+- llama.cpp through `llama-cpp-python` (an optional peer: skipped with a note
+  when the package is not installed; nothing else needs it), on the GGUF file
+  (`--gguf`, default the package's Q4_1 file: llama.cpp then runs its Q4_1
+  kernels while pagefleet serves the same weights dequantized to float32) and
+  on that file dequantized to a float32 GGUF (the same weights and precision
+  as pagefleet), each batched (every sequence in one llama_decode per step)
+  and one request at a time. Same token ids, greedy, same thread count.
 
-The batched methods run `--rounds` alternating rounds and keep their best
-time; the spread (max/min) of each is printed, since the machine is shared.
-One more pagefleet run with timers gives the breakdown of its time: linear
-layers (forward hooks), attention (write + paged attention), the rest of the
-forward (embedding, norms, RoPE, SiLU), step tensor building, sampling, and
-the Python of scheduling and bookkeeping (the rest of `step()`).
+Every HF peer knows no EOS (pagefleet runs with ignore_eos): each generates
+exactly the requested tokens and EOS is sampled like any other token.
+
+Times are wall clock and this process's CPU time; best-of and all ratios use
+CPU time, which on a shared, overloaded machine is the work a single-threaded
+run did (its wall time mostly measures the other processes). The batched
+methods run `--rounds` alternating rounds and keep their best time; the
+spread (max/min) of each is printed. One more pagefleet run with timers
+gives the breakdown of its CPU time: linear layers (forward hooks), attention
+(write + paged attention), the rest of the forward (embedding, norms, RoPE,
+SiLU), step tensor building, sampling, and the Python of scheduling and
+bookkeeping (the rest of `step()`); `--skip breakdown` leaves it out.
+Greedy outputs that differ from HF one-at-a-time are printed with HF's top-2
+logit gap at the first difference (a near-tie or a bug).
 
 `--compare-attention` adds pagefleet on the padded reference attention (the
 test oracle) in the same rounds, against the per-sequence CPU path it serves with.
@@ -45,6 +57,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +69,29 @@ from pagefleet.kernels.dispatch import BACKEND_ENV
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
+
+
+@dataclass
+class Timing:
+    """Seconds of one measured run: wall clock and this process's CPU time (all threads)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
+@contextmanager
+def stopwatch() -> Iterator[Timing]:
+    """Time the block; the Timing is filled in when the block ends.
+
+    On a shared machine the wall clock mostly measures the other processes; the
+    CPU time of a single-threaded run is the work it did, so the ratios use it.
+    """
+    timing = Timing()
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield timing
+    finally:
+        timing.wall, timing.cpu = time.perf_counter() - wall, time.process_time() - cpu
 
 
 def workload(num: int, min_len: int, max_len: int, vocab: int) -> list[list[int]]:
@@ -80,7 +116,12 @@ def load_hf(model: str) -> tuple[Any, str]:
     hf_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     path = resolve_model_path(model)  # the same converted checkpoint the engine loads
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), Path(model).name
+    hf = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    # pagefleet runs with ignore_eos: EOS is sampled like any token and does not stop.
+    # HF gets the same by knowing no EOS at all (min_new_tokens would instead *mask* EOS,
+    # so greedy HF would pick the runner-up wherever EOS is the argmax).
+    hf.generation_config.eos_token_id = None
+    return hf, Path(model).name
 
 
 # ----------------------------------------------------------------------- the floor
@@ -96,8 +137,8 @@ def linear_layers(hf: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear]:
 @torch.inference_mode()
 def dense_floor(
     hf: Any, prompt_lens: list[int], output_tokens: int, chunk: int
-) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) of the workload's matmuls alone."""
+) -> tuple[Timing, Timing]:
+    """(prefill, decode) times of the workload's matmuls alone."""
     body, head = linear_layers(hf)
     dtype = head.weight.dtype
     widths = {m.in_features for m in [*body, head]}
@@ -110,15 +151,14 @@ def dense_floor(
 
     total = sum(prompt_lens)
     rows_through(body, min(chunk, total))  # warm-up (first-touch of the weights)
-    start = time.perf_counter()
-    for lo in range(0, total, chunk):
-        rows_through(body, min(chunk, total - lo))
-    rows_through([head], num_seqs)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(output_tokens - 1):
-        rows_through([*body, head], num_seqs)
-    return prefill, time.perf_counter() - start
+    with stopwatch() as prefill:
+        for lo in range(0, total, chunk):
+            rows_through(body, min(chunk, total - lo))
+        rows_through([head], num_seqs)
+    with stopwatch() as decode:
+        for _ in range(output_tokens - 1):
+            rows_through([*body, head], num_seqs)
+    return prefill, decode
 
 
 @torch.inference_mode()
@@ -150,38 +190,39 @@ def decode_step_by_threads(hf: Any, rows: int, repeats: int = 5) -> dict[int, fl
 def gen_config(max_new: int, pad_id: int) -> Any:
     from transformers import GenerationConfig
 
+    # No EOS known (see load_hf): exactly max_new tokens, EOS neither masked nor stopping.
     return GenerationConfig(
-        do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None,
-        pad_token_id=pad_id, return_dict_in_generate=True,
+        do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=pad_id,
+        return_dict_in_generate=True,
     )
 
 
 @torch.inference_mode()
-def hf_padded_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
+def hf_padded_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> Timing:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    hf.generate(ids, attention_mask=mask, generation_config=gen_config(max_new, pad_id))
-    return time.perf_counter() - start
+    with stopwatch() as timing:
+        hf.generate(ids, attention_mask=mask, generation_config=gen_config(max_new, pad_id))
+    return timing
 
 
 @torch.inference_mode()
 def hf_sequential(
     hf: Any, prompts: list[list[int]], max_new: int, pad_id: int
-) -> tuple[float, list[list[int]]]:
+) -> tuple[Timing, list[list[int]]]:
     outs = []
-    start = time.perf_counter()
-    for p in prompts:
-        ids = torch.tensor([p])
-        res = hf.generate(ids, attention_mask=torch.ones_like(ids),
-                          generation_config=gen_config(max_new, pad_id))
-        outs.append(res.sequences[0, len(p):].tolist())
-    return time.perf_counter() - start, outs
+    with stopwatch() as timing:
+        for p in prompts:
+            ids = torch.tensor([p])
+            res = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                              generation_config=gen_config(max_new, pad_id))
+            outs.append(res.sequences[0, len(p):].tolist())
+    return timing, outs
 
 
 @torch.inference_mode()
-def hf_generate_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
+def hf_generate_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> Timing:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     # Room for every request at once: its KV memory is no constraint here.
@@ -193,32 +234,55 @@ def hf_generate_batch(hf: Any, prompts: list[list[int]], max_new: int, pad_id: i
     # on during the other methods' timings.
     hf.generate_batch([prompts[0][:4]], generation_config=gen_config(2, pad_id),
                       continuous_batching_config=cb)
-    start = time.perf_counter()
-    hf.generate_batch(prompts, generation_config=gen_config(max_new, pad_id),
-                      continuous_batching_config=cb)
-    return time.perf_counter() - start
+    with stopwatch() as timing:
+        hf.generate_batch(prompts, generation_config=gen_config(max_new, pad_id),
+                          continuous_batching_config=cb)
+    return timing
 
 
-def llama_cpp_batched(gguf: Path, prompts: list[list[int]], max_new: int, threads: int) -> float:
-    """llama.cpp (llama-cpp-python's C API): prompts prefilled in n_batch chunks, then one
-    batch per decode step holding every sequence; greedy argmax on the host."""
+# llama.cpp's log callback, kept alive here for as long as llama.cpp may call it.
+_llama_log: Any = None
+
+
+def llama_cpp_run(
+    gguf: Path, prompts: list[list[int]], max_new: int, threads: int, batched: bool
+) -> tuple[Timing, list[list[int]]]:
+    """llama.cpp through llama-cpp-python's C API on `gguf`, greedy (argmax on the host).
+
+    batched: every prompt prefilled in n_batch chunks, then one llama_decode per
+    step holding every sequence (each its own seq id and KV stream); else one
+    request at a time, the cache cleared between them.
+    llama.cpp's default KV type (f16) and attention are kept.
+    """
     import llama_cpp
     import numpy as np
 
+    global _llama_log
+    if _llama_log is None:  # drop its log: the loader alone prints hundreds of lines
+        _llama_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(_llama_log, None)
     llama_cpp.llama_backend_init()
     model = llama_cpp.llama_model_load_from_file(
         str(gguf).encode(), llama_cpp.llama_model_default_params()
     )
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     cparams = llama_cpp.llama_context_default_params()
     n_batch = 2048
-    cparams.n_ctx = sum(len(p) + max_new for p in prompts) + 256
+    num_seqs = len(prompts) if batched else 1
+    # One KV stream per sequence (n_ctx / n_seq_max cells each): on the full workload
+    # that took 96.8 CPU s batched against 136.7 with one unified cache, where every
+    # token's attention is masked over the cells of all sequences.
+    longest = max(len(p) for p in prompts) + max_new
+    cparams.n_ctx = num_seqs * 256 * -(-longest // 256)
     cparams.n_batch = cparams.n_ubatch = n_batch
-    cparams.n_seq_max = len(prompts)
+    cparams.n_seq_max = num_seqs
+    cparams.kv_unified = False
     cparams.n_threads = cparams.n_threads_batch = threads
     ctx = llama_cpp.llama_init_from_model(model, cparams)
-    batch = llama_cpp.llama_batch_init(n_batch, 0, len(prompts))
+    batch = llama_cpp.llama_batch_init(n_batch, 0, num_seqs)
 
     def decode(items: list[tuple[int, int, int, bool]]) -> list[int]:
         """items: (token, position, sequence, wants logits); returns greedy tokens."""
@@ -236,19 +300,73 @@ def llama_cpp_batched(gguf: Path, prompts: list[list[int]], max_new: int, thread
             for i in rows
         ]
 
-    start = time.perf_counter()
-    pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts)
-               for pos, tok in enumerate(p)]
-    last: list[int] = []
-    for lo in range(0, len(pending), n_batch):
-        last.extend(decode(pending[lo : lo + n_batch]))
-    for step in range(max_new - 1):
-        last = decode([(last[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
-    seconds = time.perf_counter() - start
+    def generate(group: list[list[int]]) -> list[list[int]]:
+        """Greedy max_new tokens for each prompt of `group`, all in one batch per step."""
+        pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(group)
+                   for pos, tok in enumerate(p)]
+        last: list[int] = []
+        for lo in range(0, len(pending), n_batch):
+            last.extend(decode(pending[lo : lo + n_batch]))
+        outs = [[t] for t in last]
+        for step in range(max_new - 1):
+            last = decode([(last[s], len(p) + step, s, True) for s, p in enumerate(group)])
+            for out, t in zip(outs, last, strict=True):
+                out.append(t)
+        return outs
+
+    memory = llama_cpp.llama_get_memory(ctx)
+    generate([prompts[0][:8]])  # warm-up (first touch of the weights, graph set-up)
+    llama_cpp.llama_memory_clear(memory, True)
+    outs: list[list[int]] = []
+    with stopwatch() as timing:
+        if batched:
+            outs = generate(prompts)
+        else:
+            for p in prompts:
+                llama_cpp.llama_memory_clear(memory, True)
+                outs.extend(generate([p]))
     llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
-    return seconds
+    return timing, outs
+
+
+def f32_gguf(gguf: Path) -> Path:
+    """`gguf` with every tensor dequantized to float32 (cached next to the engine's conversions).
+
+    The same weights pagefleet serves (it dequantizes the same file at load), so
+    llama.cpp then runs float32 matmuls like pagefleet instead of its Q4_1 kernels.
+    """
+    import gguf as gguf_lib
+
+    from pagefleet.worker.model_files import GGUF_CACHE_SUBDIR, default_cache_root
+
+    out = default_cache_root() / GGUF_CACHE_SUBDIR / f"{gguf.stem}-f32.gguf"
+    if out.exists() and out.stat().st_mtime >= gguf.stat().st_mtime:
+        return out
+    reader = gguf_lib.GGUFReader(gguf)
+    arch = reader.fields[gguf_lib.Keys.General.ARCHITECTURE].contents()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    writer = gguf_lib.GGUFWriter(tmp, arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf_lib.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf_lib.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == gguf_lib.Keys.General.FILE_TYPE:
+            value = int(gguf_lib.LlamaFileType.ALL_F32)
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = gguf_lib.quants.dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, data.astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out)
+    return out
 
 
 # --------------------------------------------------------------------- pagefleet
@@ -260,21 +378,22 @@ def make_llm(model: str, num_seqs: int) -> Any:
     return LLM(model=model, block_size=BLOCK_SIZE, max_num_seqs=max(num_seqs, 64))
 
 
-def pagefleet_run(llm: Any, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
-    """One cold run (prefix cache emptied first); (seconds, generated tokens)."""
+def pagefleet_run(
+    llm: Any, prompts: list[list[int]], max_new: int
+) -> tuple[Timing, list[list[int]]]:
+    """One cold run (prefix cache emptied first); (its time, generated tokens)."""
     from pagefleet import SamplingParams
 
     llm.engine.pool.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    with stopwatch() as timing:
+        outs = llm.generate(prompts, params)
     llm.check_integrity()
-    return seconds, [o.token_ids for o in outs]
+    return timing, [o.token_ids for o in outs]
 
 
 class Timers:
-    """Seconds per category, accumulated by wrappers and forward hooks."""
+    """CPU seconds per category, accumulated by wrappers and forward hooks."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -282,19 +401,19 @@ class Timers:
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[name] += time.process_time() - start
         return timed
 
     def hook_linears(self, model: torch.nn.Module) -> list[Any]:
         def pre(*_: Any) -> None:
-            self._open.append(time.perf_counter())
+            self._open.append(time.process_time())
 
         def post(*_: Any) -> None:
-            self.seconds["linear"] += time.perf_counter() - self._open.pop()
+            self.seconds["linear"] += time.process_time() - self._open.pop()
 
         handles = []
         for m in model.modules():
@@ -350,6 +469,39 @@ def breakdown_rows(t: dict[str, float], total: float) -> list[list[str]]:
 # -------------------------------------------------------------------------- main
 
 
+LLAMA_VARIANTS = {
+    "llama_cpp": ("llama.cpp Q4_1 (the package's GGUF), batched", False, True),
+    "llama_cpp_seq": ("llama.cpp Q4_1, one at a time", False, False),
+    "llama_cpp_f32": ("llama.cpp float32 (same weights dequantized), batched", True, True),
+    "llama_cpp_f32_seq": ("llama.cpp float32, one at a time", True, False),
+}
+
+
+def first_divergences(
+    hf: Any, prompts: list[list[int]], ours: list[list[int]], ref: list[list[int]]
+) -> list[str]:
+    """For each output that differs from HF's: where, and HF's top-2 logit gap there.
+
+    The logits come from one HF forward over the prompt and HF's tokens before
+    the divergence; a gap far from zero there is a bug, not a near-tie.
+    """
+    lines = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, ours, ref, strict=True)):
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                  min(len(a), len(b)))
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + b[:at]])).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        gap = float(top.values[0] - top.values[1])
+        mine = a[at] if at < len(a) else None
+        theirs = b[at] if at < len(b) else None
+        lines.append(f"  request {i}: first differs at output token {at} (pagefleet {mine}, HF "
+                     f"{theirs}); HF's top-2 there {top.indices.tolist()}, gap {gap:.4f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF directory")
@@ -365,7 +517,8 @@ def main() -> None:
     parser.add_argument("--compare-attention", action="store_true",
                         help="also run pagefleet on the padded reference attention (the oracle)")
     parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["padded", "sequential", "generate_batch", "llama_cpp"])
+                        choices=["padded", "sequential", "generate_batch", *LLAMA_VARIANTS,
+                                 "breakdown"])
     args = parser.parse_args()
     os.environ.pop(BACKEND_ENV, None)
     if args.quick:
@@ -388,44 +541,17 @@ def main() -> None:
           f"{cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv heads), float32, CPU, "
           f"{threads} torch threads; {len(prompts)} requests, prompts {min(lens)}-{max(lens)} "
           f"tokens ({sum(lens)} in all), {n_out} output tokens each, greedy")
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
     by_threads = decode_step_by_threads(hf, len(prompts))
-    print(f"one decode step's matmuls ({len(prompts)} rows), median of 5: "
+    print(f"one decode step's matmuls ({len(prompts)} rows), median of 5, wall: "
           f"1 thread {by_threads[1] * 1000:.1f} ms, 2 threads {by_threads[2] * 1000:.1f} ms "
           f"({by_threads[1] / by_threads[2]:.2f}x speed-up from the second thread)")
-    llm = make_llm(args.model, len(prompts))
-    chunk = llm.engine.config.max_num_batched_tokens
-    pagefleet_run(llm, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)  # warm-up
-    times: dict[str, list[float]] = defaultdict(list)
-    outs: list[list[int]] = []
-    for _ in range(args.rounds):
-        prefill, decode = dense_floor(hf, lens, n_out, chunk)
-        times["floor"].append(prefill + decode)
-        times["floor prefill"].append(prefill)
-        times["floor decode"].append(decode)
-        seconds, outs = pagefleet_run(llm, prompts, n_out)
-        times["pagefleet"].append(seconds)
-        if args.compare_attention:
-            os.environ[BACKEND_ENV] = "torch"  # read at every call: this run only
-            try:
-                times["pagefleet_reference"].append(pagefleet_run(llm, prompts, n_out)[0])
-            finally:
-                del os.environ[BACKEND_ENV]
-        if "padded" not in args.skip:
-            times["padded"].append(hf_padded_batch(hf, prompts, n_out, pad_id))
-        if "generate_batch" not in args.skip and hasattr(hf, "generate_batch"):
-            times["generate_batch"].append(hf_generate_batch(hf, prompts, n_out, pad_id))
-    stats = llm.stats()
 
     notes: list[str] = []
-    same = None
-    if "sequential" not in args.skip:
-        step = max(1, len(prompts) // args.sequential)
-        picked = list(range(0, len(prompts), step))[: args.sequential]
-        seconds, ref = hf_sequential(hf, [prompts[i] for i in picked], n_out, pad_id)
-        times["sequential"].append(seconds * len(prompts) / len(picked))  # same tokens/s
-        same = (sum(outs[i] == r for i, r in zip(picked, ref, strict=True)), len(picked))
-    if "llama_cpp" not in args.skip:
+    llama: dict[str, Path] = {}
+    wanted = [k for k in LLAMA_VARIANTS if k not in args.skip]
+    if wanted:
         gguf = args.gguf or default_gguf()
         try:
             import llama_cpp  # noqa: F401
@@ -436,15 +562,59 @@ def main() -> None:
             if gguf is None or args.quick:
                 notes.append("llama.cpp: skipped, no GGUF file for this model (--gguf)")
             else:
-                times["llama_cpp"].append(llama_cpp_batched(gguf, prompts, n_out, threads))
+                f32 = f32_gguf(gguf) if any(LLAMA_VARIANTS[k][1] for k in wanted) else gguf
+                llama = {k: f32 if LLAMA_VARIANTS[k][1] else gguf for k in wanted}
 
+    llm = make_llm(args.model, len(prompts))
+    chunk = llm.engine.config.max_num_batched_tokens
+    pagefleet_run(llm, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)  # warm-up
+    times: dict[str, list[Timing]] = defaultdict(list)
+    outs: list[list[int]] = []
+    llama_outs: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        prefill, decode = dense_floor(hf, lens, n_out, chunk)
+        times["floor"].append(Timing(prefill.wall + decode.wall, prefill.cpu + decode.cpu))
+        times["floor prefill"].append(prefill)
+        times["floor decode"].append(decode)
+        timing, outs = pagefleet_run(llm, prompts, n_out)
+        times["pagefleet"].append(timing)
+        if args.compare_attention:
+            os.environ[BACKEND_ENV] = "torch"  # read at every call: this run only
+            try:
+                times["pagefleet_reference"].append(pagefleet_run(llm, prompts, n_out)[0])
+            finally:
+                del os.environ[BACKEND_ENV]
+        if "padded" not in args.skip:
+            times["padded"].append(hf_padded_batch(hf, prompts, n_out, pad_id))
+        if "generate_batch" not in args.skip and hasattr(hf, "generate_batch"):
+            times["generate_batch"].append(hf_generate_batch(hf, prompts, n_out, pad_id))
+        for key, path in llama.items():
+            timing, llama_outs[key] = llama_cpp_run(path, prompts, n_out, threads,
+                                                    batched=LLAMA_VARIANTS[key][2])
+            times[key].append(timing)
+    stats = llm.stats()
+
+    same = None
+    divergences: list[str] = []
+    if "sequential" not in args.skip:
+        step = max(1, len(prompts) // args.sequential)
+        picked = list(range(0, len(prompts), step))[: args.sequential]
+        timing, ref = hf_sequential(hf, [prompts[i] for i in picked], n_out, pad_id)
+        scale = len(prompts) / len(picked)  # the same tokens/s over the whole workload
+        times["sequential"].append(Timing(timing.wall * scale, timing.cpu * scale))
+        mine = [outs[i] for i in picked]
+        same = (sum(a == b for a, b in zip(mine, ref, strict=True)), len(picked))
+        divergences = first_divergences(hf, [prompts[i] for i in picked], mine, ref)
+
+    t_instr = Timing()
     timers = Timers()
-    llm.engine.pool.reset_prefix_cache()
-    with instrumented(llm, timers):
-        t_instr, _ = pagefleet_run(llm, prompts, n_out)
+    if "breakdown" not in args.skip:
+        llm.engine.pool.reset_prefix_cache()
+        with instrumented(llm, timers):
+            t_instr, _ = pagefleet_run(llm, prompts, n_out)
 
-    floor = min(times["floor"])
-    best_pf = min(times["pagefleet"])
+    floor = min(t.cpu for t in times["floor"])
+    best_pf = min(t.cpu for t in times["pagefleet"])
     names = {
         "floor": "dense-layer floor (matmuls only)",
         "pagefleet": "pagefleet LLM.generate",
@@ -452,36 +622,45 @@ def main() -> None:
         "padded": "HF generate, padded batch",
         "generate_batch": "transformers generate_batch",
         "sequential": f"HF generate, one at a time ({same[1] if same else 0} requests)",
-        "llama_cpp": "llama.cpp (llama-cpp-python), batched",
+        **{k: v[0] for k, v in LLAMA_VARIANTS.items()},
     }
     rows = []
     for key, name in names.items():
         if not times[key]:
             continue
-        best = min(times[key])
-        spread = max(times[key]) / best
-        rows.append([name, f"{useful / best:.1f}", f"{best:.2f}", f"{best / floor:.2f}x",
-                     f"{best / best_pf:.2f}x", f"{spread:.2f}"])
+        best = min(times[key], key=lambda t: t.cpu)
+        spread = max(t.cpu for t in times[key]) / best.cpu
+        rows.append([name, f"{useful / best.wall:.1f}", f"{best.wall:.2f}", f"{best.cpu:.2f}",
+                     f"{best.cpu / floor:.2f}x", f"{best.cpu / best_pf:.2f}x", f"{spread:.2f}"])
     common.print_table(
-        "CPU limit and peers (best of rounds)",
-        ["method", "output tok/s", "seconds", "vs floor", "vs pagefleet", "spread max/min"], rows,
+        "CPU limit and peers (best of rounds by CPU time; ratios of CPU seconds)",
+        ["method", "output tok/s (wall)", "wall s", "CPU s", "vs floor", "vs pagefleet",
+         "spread max/min"], rows,
     )
-    print(f"\nfloor: prefill {min(times['floor prefill']):.2f} s ({sum(lens)} tokens in chunks of "
-          f"{chunk}), decode {min(times['floor decode']):.2f} s ({n_out - 1} steps x "
-          f"{len(prompts)} rows)")
-    print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor")
-    for key in ("pagefleet_reference", "padded", "generate_batch", "sequential", "llama_cpp"):
+    fp, fd = (min(times[k], key=lambda t: t.cpu) for k in ("floor prefill", "floor decode"))
+    print(f"\nfloor: prefill {fp.cpu:.2f} CPU s ({sum(lens)} tokens in chunks of {chunk}), "
+          f"decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
+    print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor (CPU time)")
+    for key in ("pagefleet_reference", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS):
         if times[key]:
-            print(f"pagefleet vs {names[key]}: {min(times[key]) / best_pf:.2f}x throughput")
-    common.print_table(
-        f"pagefleet breakdown (one instrumented run, {t_instr:.2f} s)",
-        ["part", "seconds", "share"], breakdown_rows(timers.seconds, t_instr),
-    )
+            ratio = min(t.cpu for t in times[key]) / best_pf
+            print(f"pagefleet vs {names[key]}: {ratio:.2f}x throughput")
+    if "breakdown" not in args.skip:
+        common.print_table(
+            f"pagefleet breakdown (one instrumented run, {t_instr.cpu:.2f} CPU s)",
+            ["part", "CPU seconds", "share"], breakdown_rows(timers.seconds, t_instr.cpu),
+        )
     print(f"\npagefleet pool: {stats['total']} blocks of {BLOCK_SIZE} tokens, peak live "
           f"{stats['peak_live']}, preemptions {stats['preemptions_total']}")
     if same is not None:
         print(f"greedy outputs equal to HF one-at-a-time: {same[0]}/{same[1]} "
-              f"(float32: near-ties may differ)")
+              f"(float32: only a near-tie of HF's top-2 logits may differ)")
+        for line in divergences:
+            print(line)
+    for key, theirs in llama_outs.items():
+        equal = sum(a == b for a, b in zip(outs, theirs, strict=True))
+        print(f"greedy outputs equal to {names[key]}: {equal}/{len(outs)}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for note in notes:
         print(note)
 
