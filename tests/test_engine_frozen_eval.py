@@ -106,10 +106,9 @@ def test_greedy_equals_hf_with_requests_arriving_mid_run(ref: Reference) -> None
     assert_pool_clean(llm)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
-    # 12 blocks of 8 tokens: the longest request alone needs 11, so the batch must preempt.
-    llm = LLM(
+def _small_pool(ref: Reference, mode: str) -> LLM:
+    """12 blocks of 8 tokens in float64, no prefix cache, preempting by `mode`."""
+    return LLM(
         model=ref.model_dir,
         block_size=8,
         num_kv_blocks=12,
@@ -117,6 +116,12 @@ def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
         preemption_mode=mode,
         enable_prefix_caching=False,
     )
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
+    # 12 blocks of 8 tokens: the longest request alone needs 11, so the batch must preempt.
+    llm = _small_pool(ref, mode)
     assert_same_tokens(generate(llm, ref.prompts), ref.expected)
     stats = llm.stats()
     assert stats["preemptions_total"] > 0, stats
@@ -130,14 +135,7 @@ def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_equals_hf_when_later_higher_priorities_preempt(ref: Reference, mode: str) -> None:
     # Each wave outranks the one before and arrives to a full pool: it preempts them.
-    llm = LLM(
-        model=ref.model_dir,
-        block_size=8,
-        num_kv_blocks=12,
-        dtype="float64",
-        preemption_mode=mode,
-        enable_prefix_caching=False,
-    )
+    llm = _small_pool(ref, mode)
     engine = llm.engine
     waves = {0: range(0, 5), 3: range(5, 9), 6: range(9, len(ref.prompts))}
     got: dict[str, list[int]] = {}
