@@ -345,3 +345,17 @@ def test_check_integrity_catches_a_stale_hash_map_entry() -> None:
     pool._cached[b"x" * 32] = 1
     with pytest.raises(AssertionError, match="hash map"):
         pool.check_integrity()
+
+
+def test_leading_counts_registered_hashes_from_the_first_and_live_ones_when_asked() -> None:
+    pool = BlockPool(4, 4)
+    h = hash_token_blocks(list(range(12)), 4)
+    a, b = pool.allocate(2)
+    pool.register(a, h[0])
+    pool.register(b, h[1])
+    pool.free([b])  # h[1] stays cached, no longer live
+    assert pool.leading(h) == 2  # h[2] was never registered
+    assert pool.leading(h, live_only=True) == 1
+    assert pool.leading(h[1:]) == 1 and pool.leading(h[2:]) == 0
+    pool.free([a])
+    assert_released(pool)

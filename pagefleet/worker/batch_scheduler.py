@@ -231,10 +231,7 @@ class BatchScheduler:
         bs = self.block_size
         hits = 0
         if self.config.enable_prefix_caching:
-            for h in head.full_block_hashes(head.num_tokens - 1, bs):
-                if not self.pool.is_cached(h):
-                    break
-                hits += 1
+            hits = self.pool.leading(head.full_block_hashes(head.num_tokens - 1, bs))
         n = min(head.num_tokens - hits * bs, budget)
         need = -(-(hits * bs + n) // bs)
         blocks = need - self.pool.num_allocatable

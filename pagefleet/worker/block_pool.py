@@ -162,6 +162,16 @@ class BlockPool:
         block = self._cached.get(block_hash)
         return block is not None and self._ref[block] > 0
 
+    def leading(self, hashes: Iterable[bytes], *, live_only: bool = False) -> int:
+        """How many of `hashes`, from the first, are registered here (in use, with `live_only`)."""
+        held = self.is_live if live_only else self.is_cached
+        n = 0
+        for h in hashes:
+            if not held(h):
+                break
+            n += 1
+        return n
+
     def stats(self) -> PoolStats:
         """The counters now."""
         return PoolStats(

@@ -491,10 +491,7 @@ class LLMEngine:
         for seq in [*sched.waiting, *sched.swapped]:
             shared = 0
             if self.config.enable_prefix_caching:
-                for h in seq.full_block_hashes(seq.num_tokens - 1, bs):
-                    if not self.pool.is_live(h):
-                        break
-                    shared += 1
+                shared = self.pool.leading(seq.full_block_hashes(seq.num_tokens - 1, bs), live_only=True)
             need += -(-seq.num_tokens // bs) - shared
         return max(0, need - self.pool.num_allocatable)
 
