@@ -19,12 +19,14 @@ measured on the same cluster.
 connection per ingress replica (new connections until the kernel's
 SO_REUSEPORT spread has reached each) and sends the arrivals to the replicas
 in turn, and each row also gives its hit rate against the same policy's
-single-replica run. `--eviction lru,replica_aware` starts one cluster per
+single-replica run; `--share-routes on,off` runs each count above 1 with and
+without the replicas telling each other their routing decisions
+(`router.share_routes`). `--eviction lru,replica_aware` starts one cluster per
 mode (`scheduler.replica_aware_eviction` false / true) and adds the workers'
 evictions and how many of them took blocks another worker also held.
 
     python benchmarks/routing.py            # 4 workers, 8 groups x 16 requests
-    python benchmarks/routing.py --ingress-replicas 1,2,4
+    python benchmarks/routing.py --ingress-replicas 1,2,4 --share-routes on,off
     python benchmarks/routing.py --eviction lru,replica_aware --groups 12 --policies prefix_affinity,round_robin
     python benchmarks/routing.py --smoke    # 2 workers, tiny workload (a test runs this)
 """
@@ -76,6 +78,7 @@ class Result:
     eviction: str = "replica_aware"
     evictions: int = 0
     duplicate_evictions: int = 0
+    share_routes: bool = True  # replicas tell each other their decisions (moot with one)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -210,7 +213,7 @@ def worker_evictions(cluster: RunningCluster) -> tuple[int, int]:
 
 async def measure_cluster(
     cluster: RunningCluster, tokenizer: object, policies: Sequence[str], workload: Workload,
-    replicas: int, eviction: str,
+    replicas: int, eviction: str, share_routes: bool = True,
 ) -> list[Result]:  # fmt: skip
     """Every policy on one cluster, arrivals spread over its `replicas` ingress replicas."""
     channels = await replica_channels(cluster.grpc_target, replicas)
@@ -237,6 +240,7 @@ async def measure_cluster(
                     eviction=eviction,
                     evictions=after[0] - before[0],
                     duplicate_evictions=after[1] - before[1],
+                    share_routes=share_routes,
                 )
             )
     finally:
@@ -246,8 +250,9 @@ async def measure_cluster(
 
 
 def cluster_config(
-    workers: int, num_kv_blocks: int, max_num_seqs: int, replicas: int = 1, replica_aware: bool = True
-) -> ClusterConfig:
+    workers: int, num_kv_blocks: int, max_num_seqs: int, replicas: int = 1, replica_aware: bool = True,
+    share_routes: bool = True,
+) -> ClusterConfig:  # fmt: skip
     return ClusterConfig.from_dict(
         {
             "pools": [
@@ -264,6 +269,7 @@ def cluster_config(
             ],
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None, "ingress_replicas": replicas},
             "scheduler": {"replica_aware_eviction": replica_aware},
+            "router": {"share_routes": share_routes},
         }
     )
 
@@ -274,10 +280,11 @@ def format_table(results: list[Result]) -> str:
     lines = [
         f"{'policy':<16} {'hit rate':>8} {'of ideal':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'tok/s':>7} {'p99 vs RR':>9} {'tok/s vs RR':>11} {'replicas':>8} {'hit vs 1':>8} "
-        f"{'eviction':>13} {'evictions':>9} {'duplicates':>10}"
+        f"{'eviction':>13} {'evictions':>9} {'duplicates':>10} {'shared':>6}"
     ]
     for r in results:
-        same_cluster = [x for x in results if (x.replicas, x.eviction) == (r.replicas, r.eviction)]
+        key = (r.replicas, r.eviction, r.share_routes)
+        same_cluster = [x for x in results if (x.replicas, x.eviction, x.share_routes) == key]
         base = next((x for x in same_cluster if x.policy == "round_robin"), same_cluster[0])
         single = next(
             (x for x in results if (x.policy, x.eviction, x.replicas) == (r.policy, r.eviction, 1)), None
@@ -287,7 +294,8 @@ def format_table(results: list[Result]) -> str:
             f"{r.policy:<16} {100 * r.hit_rate:7.1f}% {100 * r.hit_rate / r.ideal_hit_rate:7.1f}% "
             f"{1000 * r.ttft_p50:7.0f}ms {1000 * r.ttft_p99:7.0f}ms {r.tokens_per_s:7.1f} "
             f"{base.ttft_p99 / r.ttft_p99:8.2f}x {r.tokens_per_s / base.tokens_per_s:10.2f}x "
-            f"{r.replicas:>8} {vs_single} {r.eviction:>13} {r.evictions:>9} {r.duplicate_evictions:>10}"
+            f"{r.replicas:>8} {vs_single} {r.eviction:>13} {r.evictions:>9} {r.duplicate_evictions:>10} "
+            f"{('yes' if r.share_routes else 'no') if r.replicas > 1 else '-':>6}"
         )
     return "\n".join(lines)
 
@@ -307,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="ingress replicas, one cluster per count, e.g. 1,2,4")
     parser.add_argument("--eviction", default="replica_aware", metavar="MODE[,MODE...]",
                         help=f"worker eviction, one cluster per mode: {', '.join(EVICTION_MODES)}")
+    parser.add_argument("--share-routes", default="on", metavar="on|off|on,off",
+                        help="replicas share their routing decisions (router.share_routes); "
+                        "on,off runs a cluster per mode for every count above 1")
     parser.add_argument("--smoke", action="store_true", help="2 workers, a tiny workload: seconds")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -327,6 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in EVICTION_MODES]
     if unknown or not modes:
         parser.error(f"--eviction: one or more of {', '.join(EVICTION_MODES)}, got {args.eviction!r}")
+    sharing = [{"on": True, "off": False}.get(m) for m in args.share_routes.split(",") if m]
+    if not sharing or None in sharing:
+        parser.error(f"--share-routes: on, off or on,off, got {args.share_routes!r}")
+    runs = [
+        (mode, replicas, share)
+        for mode in modes
+        for replicas in counts
+        for share in (sharing if replicas > 1 else sharing[:1])
+    ]
     print(
         f"routing benchmark: {args.workers} CPU workers x {args.num_kv_blocks} blocks of {BLOCK_SIZE} tokens, "
         f"{workload.groups} groups x {workload.per_group} requests, shared prefix {workload.prefix_tokens} "
@@ -337,28 +357,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tokenizer = load_tokenizer("tiny")
     results: list[Result] = []
-    several = len(modes) * len(counts) > 1
+    several = len(runs) > 1
     if several:
         # One Ray for every cluster: starting Ray again in this process after a shutdown
         # times out on a loaded machine, and each start costs tens of seconds.
         ray.init(namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, args.workers), include_dashboard=False)
     try:
-        for mode in modes:
-            for replicas in counts:
-                config = cluster_config(
-                    args.workers, args.num_kv_blocks, args.max_num_seqs, replicas, EVICTION_MODES[mode]
+        for mode, replicas, share in runs:
+            config = cluster_config(
+                args.workers, args.num_kv_blocks, args.max_num_seqs, replicas, EVICTION_MODES[mode], share
+            )
+            cluster = start_cluster(config, grpc_port=0, metrics_port=None)
+            try:
+                results += asyncio.run(
+                    measure_cluster(cluster, tokenizer, policies, workload, replicas, mode, share)
                 )
-                cluster = start_cluster(config, grpc_port=0, metrics_port=None)
-                try:
-                    results += asyncio.run(
-                        measure_cluster(cluster, tokenizer, policies, workload, replicas, mode)
-                    )
-                finally:
-                    cluster.shutdown()
-                    if several:
-                        wait_until_gone(config)
+            finally:
+                cluster.shutdown()
                 if several:
-                    print(format_table(results), flush=True)  # so far: a long run shows progress
+                    wait_until_gone(config)
+            if several:
+                print(format_table(results), flush=True)  # so far: a long run shows progress
     finally:
         if several:
             ray.shutdown()

@@ -160,6 +160,30 @@ def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
     assert second[-1].usage.cached_tokens >= 8
 
 
+def test_a_routing_decision_reaches_the_other_replica_before_the_workers_kv_events(
+    cluster: RunningCluster, target: str
+) -> None:
+    prefix = [300 + (11 * i) % 250 for i in range(6 * 16)]  # 6 blocks no other test sends
+    channel0, stub0 = _replica_channel(target, avoid="")
+    with channel0:
+        _, call = stub0.Abort.with_call(pb.AbortRequest(request_id="probe"), timeout=30)
+        replica0 = dict(call.initial_metadata())[REPLICA_KEY]
+        channel1, stub1 = _replica_channel(target, avoid=replica0)
+        with channel1:
+            notes = _index_stats(cluster)["route_notes"]
+            first = stub0.Generate(
+                build_request([*prefix, 1, 2], {"max_tokens": 40, "ignore_eos": True}), timeout=120
+            )
+            # Its route note is at the scheduler, and so at once with every replica's long
+            # poll; the worker's KV events wait for its next push (every 0.2 s here).
+            wait_for(lambda: _index_stats(cluster)["route_notes"] > notes, 10, "the route note", 0.005)
+            second = list(stub1.Generate(build_request([*prefix, 3, 4], {"max_tokens": 2}), timeout=120))
+            rest = list(first)
+    # Without the note the other replica sees two idle workers without the prefix, and
+    # picks one at random.
+    assert second[-1].worker_id == rest[-1].worker_id
+
+
 def test_index_drift_settles_to_zero_after_traffic(cluster: RunningCluster, target: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: generate(target, f"drift check {i} " * 6, max_tokens=4), range(8)))

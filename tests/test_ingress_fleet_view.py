@@ -130,3 +130,35 @@ def test_staleness_is_the_stalest_shards() -> None:
     assert view.staleness_s() == float("inf")  # shard 1 never answered
     view.apply(ViewUpdate(2, 0, True, ()), shard=1)
     assert view.staleness_s() < 1.0
+
+
+# ----- routing decisions relayed between replicas through the scheduler ---------------
+
+
+def test_a_replicas_decisions_reach_the_other_replicas_through_the_scheduler() -> None:
+    from pagefleet.scheduler.state import ClusterState
+    from pagefleet.worker.events import KVEventBatch
+
+    state = ClusterState(report_timeout_s=3.0, generation=1)
+    views = []
+    for rid in ("r0", "r1"):
+        router = Router(
+            seed=0, on_routed=lambda _p, w, h, rid=rid: state.note_routed(rid, w, tuple(h))
+        )
+        views.append(FleetView(router, lambda _d: None, rid))
+    for wid in ("w0", "w1"):
+        state.register_worker(WorkerInfo(wid, "a", 64))
+        report = LoadReport(wid, "a", 1, 0.0, 64, 64, 0, 0, 0)
+        state.push(report, KVEventBatch(wid, 1, reset=True))
+    for view in views:
+        view.apply(state.updates_since(None, 0))
+    zero, one = (v.router for v in views)
+    hashes = zero.block_hashes("a", PROMPT)
+    chosen = zero.route_hashes("a", hashes).worker_id
+    assert state.route_notes == 1
+    for view in views:
+        view.apply(state.updates_since(view.generation, view.version))
+    assert one.matched_blocks(chosen, hashes) == 4  # speculative there now
+    # A note is no state: a snapshot carries none, and an unknown worker's is not published.
+    assert not any(d.routed for d in state.snapshot().deltas)
+    assert not state.note_routed("r0", "nobody", tuple(hashes))

@@ -377,3 +377,37 @@ def test_report_from_a_new_incarnation_replaces_the_old_one() -> None:
     router.apply_load_report(LoadReport("w1", "chat", 1, 0.0, 1000, 900, 100, 0, 100, incarnation="x"))
     router.apply_load_report(LoadReport("w0", "chat", 1, 0.0, 1000, 1000, 0, 0, 0, incarnation="b"))
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w0"
+
+
+# ----- routing decisions shared between ingress replicas ----------------------------
+
+
+def test_each_decision_goes_to_on_routed_when_shared() -> None:
+    seen: list[tuple[str, str, int]] = []
+    router = Router(RouterConfig(), seed=0, on_routed=lambda p, w, h: seen.append((p, w, len(h))))
+    router.add_worker("w0", "chat", block_size=BS)
+    decision = router.route("chat", prompt(SYSTEM_A))
+    assert seen == [("chat", decision.worker_id, 10)]
+    quiet = Router(RouterConfig(share_routes=False), seed=0, on_routed=lambda *a: seen.append(a))
+    quiet.add_worker("w0", "chat", block_size=BS)
+    quiet.route("chat", prompt(SYSTEM_A))
+    assert len(seen) == 1
+
+
+def test_another_replicas_decision_is_sticky_here_and_counts_as_load() -> None:
+    # Two replicas' routers with the same fleet; replica 1 learns replica 0's decision.
+    zero, _ = make_router(2, speculative_ttl_s=5.0, policy="prefix_affinity")
+    one, _ = make_router(2, speculative_ttl_s=5.0, policy="prefix_affinity")
+    for router in (zero, one):
+        load(router, "w0", 0, seq=1)
+        load(router, "w1", 0, seq=1)
+    hashes = zero.block_hashes("chat", prompt(SYSTEM_A, 1))
+    chosen = zero.route_hashes("chat", hashes).worker_id
+    other = "w1" if chosen == "w0" else "w0"
+    one.note_routed_elsewhere(chosen, hashes)
+    assert one.matched_blocks(chosen, hashes) == 10 and one.matched_blocks(other, hashes) == 0
+    follower = one.route("chat", prompt(SYSTEM_A, 2))
+    assert follower.worker_id == chosen and follower.matched_blocks == 8
+    # The note's uncached blocks count as pending load there, as the decision's own do.
+    assert one.route("chat", prompt(SYSTEM_B), policy="least_loaded").worker_id == other
+    one.note_routed_elsewhere("unknown", hashes)  # a worker this replica does not know: ignored

@@ -12,6 +12,11 @@ its index and rebuilds it from the snapshot. Workers a restarted scheduler
 does not know yet keep their last state here, so routing goes on while the
 scheduler rebuilds. While the scheduler is unreachable the replica keeps the
 last view and retries.
+
+`RouteSharer` carries this replica's routing decisions the other way, to
+the scheduler shard owning the pool, which relays them to the other
+replicas as route notes (`Router.note_routed_elsewhere`): one call in
+flight per shard, the decisions made meanwhile coalesced into the next.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagefleet.cluster.router import Router
@@ -84,6 +89,10 @@ class FleetView:
                 self.router.clear_index(cursor.workers)
             self.snapshots += 1
         for delta in update.deltas:
+            if delta.routed:  # another replica's routing decision, no change of state
+                if delta.routed_by != self.replica_id:
+                    self.router.note_routed_elsewhere(delta.info.worker_id, delta.routed)
+                continue
             if delta.gone:
                 cursor.workers.discard(delta.info.worker_id)
             else:
@@ -147,3 +156,50 @@ class _Cursor:
         self.version = 0
         self.last_update_at: float | None = None  # monotonic time of the shard's last answer
         self.workers: set[str] = set()  # the workers this shard's deltas described
+
+
+class RouteSharer:
+    """Sends this replica's routing decisions to the scheduler shards (see the module docstring).
+
+    `note` is the router's `on_routed` callback: synchronous and cheap, it
+    only buffers. Nothing is sent before `bind` gives the shards' handles.
+    A failed call drops its notes: they are hints that expire within
+    `speculative_ttl_s` anyway, and the workers' KV events follow.
+    """
+
+    def __init__(self, replica_id: str, shard_of: Mapping[str, int]) -> None:
+        self.replica_id = replica_id
+        self._shard_of = dict(shard_of)
+        self._schedulers: list[Any] = []
+        self._pending: dict[int, list[tuple[str, tuple[bytes, ...]]]] = {}
+        self._sending: dict[int, asyncio.Task[None]] = {}
+        self.sent = 0  # notes the scheduler accepted
+
+    def bind(self, schedulers: Any | Sequence[Any]) -> None:
+        self._schedulers = list(schedulers) if isinstance(schedulers, Sequence) else [schedulers]
+
+    def note(self, pool: str, worker_id: str, hashes: Sequence[bytes]) -> None:
+        shard = self._shard_of.get(pool, 0)
+        if not self._schedulers or shard >= len(self._schedulers):
+            return
+        self._pending.setdefault(shard, []).append((worker_id, tuple(hashes)))
+        if shard not in self._sending:
+            self._sending[shard] = asyncio.get_running_loop().create_task(self._send(shard))
+
+    async def _send(self, shard: int) -> None:
+        try:
+            while notes := self._pending.pop(shard, None):
+                try:
+                    self.sent += await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # scheduler restarting: these hints are lost
+                    logger.debug("route notes to shard %d dropped (%s)", shard, type(exc).__name__)
+        finally:
+            del self._sending[shard]
+
+    async def close(self) -> None:
+        tasks = list(self._sending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

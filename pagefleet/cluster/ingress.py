@@ -59,7 +59,7 @@ from pagefleet.cluster.api import (
     unknown_pool,
 )
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
-from pagefleet.cluster.fleet_view import FleetView
+from pagefleet.cluster.fleet_view import FleetView, RouteSharer
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.prompts import Prompts, check_length
 from pagefleet.cluster.router import Router
@@ -116,10 +116,16 @@ class Ingress:
         router_seed: int | None = None,
     ) -> None:
         self.config = config
-        self.router = Router(config.router, seed=router_seed)
         self.metrics = metrics
         # The pid lets an operator (or a test) find the replica's process from a stream.
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Other replicas may route next to this one: they learn its decisions at once.
+        server = config.server
+        shared = max(server.ingress_replicas, server.ingress_max_replicas or 1) > 1
+        self.routes = RouteSharer(self.replica_id, config.scheduler_shards())
+        self.router = Router(
+            config.router, seed=router_seed, on_routed=self.routes.note if shared else None
+        )
         self._scheduler = scheduler
         self.slots = WorkerSlots(config, workers, self.router, self._dispatch, metrics)
         self.admission = Admission(config, self.router, self.slots, self.replica_id, metrics)
@@ -156,6 +162,7 @@ class Ingress:
     def start(self) -> None:
         """Start following the scheduler's view."""
         if self._follower is None and self._scheduler is not None:
+            self.routes.bind(self._scheduler)
             self._follower = asyncio.get_running_loop().create_task(
                 self.fleet.follow(self._scheduler)
             )
@@ -165,6 +172,7 @@ class Ingress:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
             self._follower = None
+        await self.routes.close()
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Load the tokenizers, then wait until the view shows every worker alive."""

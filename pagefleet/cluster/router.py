@@ -19,6 +19,14 @@ hashes that ANDs masks, narrowing the set of workers still matching, instead
 of one walk per worker. Masks are plain ints, so the index (hundreds of
 thousands of entries) is a dict of bytes to ints that the garbage collector
 does not track: no collection pauses on the routing path.
+
+Several ingress replicas route on one view, each with its own router; what
+one replica routed is in nobody else's index until the worker prefills and
+reports it (a report interval plus a prefill later). So with
+`share_routes` each decision also goes to `on_routed`: the ingress sends it
+through the scheduler to the other replicas, whose routers index it as
+speculative and count its blocks as the worker's pending load
+(`note_routed_elsewhere`), as if they had routed it themselves.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ class RouterConfig:
     speculative_ttl_s: float = 2.0
     # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
     offload_credit: float = 0.5
+    # Tell the other ingress replicas of every routing decision (see the module docstring).
+    share_routes: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -137,8 +147,12 @@ class Router:
         *,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_routed: Callable[[str, str, Sequence[bytes]], None] | None = None,
     ) -> None:
+        """`on_routed(pool, worker_id, hashes)` is called after each decision when the
+        config's `share_routes` is on."""
         self.config = config or RouterConfig()
+        self._on_routed = on_routed if self.config.share_routes else None
         self._rng = random.Random(seed)
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
@@ -345,6 +359,8 @@ class Router:
         if policy != "prefix_affinity":
             matched = self.matched_blocks(chosen.worker_id, hashes)
         self._note_routed(chosen, hashes, matched)
+        if self._on_routed is not None and hashes:
+            self._on_routed(pool, chosen.worker_id, hashes)
         return RouteDecision(
             worker_id=chosen.worker_id,
             pool=pool,
@@ -445,8 +461,20 @@ class Router:
         best = [w for s, w in scored if s == low]
         return best[0] if len(best) == 1 else self._rng.choice(best)
 
+    def note_routed_elsewhere(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        """Another replica routed a prompt with these block hashes to `worker_id`:
+        index them as speculative here too (the worker will store them)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            matched = self.matched_blocks(worker_id, hashes)
+            worker.pending_blocks += len(hashes) - matched
+            self._speculate(worker, hashes[matched:])
+
     def _note_routed(self, worker: _Worker, hashes: Sequence[bytes], matched: int) -> None:
         worker.pending_blocks += len(hashes) - matched
+        self._speculate(worker, hashes[matched:])
+
+    def _speculate(self, worker: _Worker, hashes: Sequence[bytes]) -> None:
         ttl = self.config.speculative_ttl_s
         if ttl <= 0:
             return
@@ -455,7 +483,7 @@ class Router:
         expiry = self._clock() + ttl
         bit = worker.bit
         holders, confirmed = self._holders, self._confirmed
-        for h in hashes[matched:]:
+        for h in hashes:
             if confirmed.get(h, 0) & bit:
                 continue
             worker.speculative[h] = expiry

@@ -8,10 +8,13 @@ worker (compute-bound, cost per uncached token), decodes run batched (a fixed
 time per output token), at most `max_num_seqs` requests run at once, and a
 request is admitted only when its prompt plus output blocks can be allocated.
 The cluster state travels as it does in the cluster, through the same code:
-each worker pushes its KV events (after `kv_event_delay_s`) and its load
+each worker pushes its KV events (after `kv_event_delay_s`, or with its next
+report under `kv_events_with_reports`, as real workers do) and its load
 report (every `report_interval_s`) to a real `ClusterState`; each of
 `num_ingress_replicas` replicas follows it with a real `FleetView` and routes
-with its own real `Router`; arrivals go to the replicas in turn. With
+with its own real `Router`, whose decisions reach the other replicas through
+the same `ClusterState` after `route_note_delay_s` (`share_routes`); arrivals
+go to the replicas in turn. With
 `eviction` set, each push's answer steers the worker's pool as a worker's
 ack does: evict ahead of need below the watermark, and (replica-aware) mark
 the hashes another worker keeps so they are evicted before last copies.
@@ -23,6 +26,7 @@ the hashes another worker keeps so they are evicted before last copies.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import random
 from collections import deque
@@ -93,6 +97,11 @@ class SimConfig:
     decode_s_per_token: float = 0.02
     report_interval_s: float = 0.25
     kv_event_delay_s: float = 0.02
+    # True: KV events wait for the next report (as real workers push them); False:
+    # each is pushed at once and arrives after `kv_event_delay_s`.
+    kv_events_with_reports: bool = False
+    # Replica -> scheduler -> other replicas, for a routing decision (`share_routes`).
+    route_note_delay_s: float = 0.02
     num_ingress_replicas: int = 1
     eviction: EvictionWatermarks | None = None
 
@@ -100,7 +109,10 @@ class SimConfig:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "num_ingress_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefill_s_per_token", "decode_s_per_token", "report_interval_s", "kv_event_delay_s"):
+        for name in (
+            "prefill_s_per_token", "decode_s_per_token", "report_interval_s", "kv_event_delay_s",
+            "route_note_delay_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -194,8 +206,10 @@ class Simulation:
                     replace(router_config or RouterConfig(), policy=policy),
                     seed=workload.seed + i,
                     clock=lambda: self.now,
+                    on_routed=functools.partial(self._routed, f"r{i}"),
                 ),
                 lambda _delta: None,
+                f"r{i}",
             )
             for i in range(cfg.num_ingress_replicas)
         ]
@@ -247,6 +261,15 @@ class Simulation:
         worker = self.workers[decision.worker_id]
         worker.waiting.append(req)
         self._admit(worker)
+
+    def _routed(self, replica_id: str, _pool: str, worker_id: str, hashes: Sequence[bytes]) -> None:
+        if len(self.replicas) > 1:
+            self._at(self.now + self.cfg.route_note_delay_s, "route_note", (replica_id, worker_id, hashes))
+
+    def _on_route_note(self, item: tuple[str, str, Sequence[bytes]]) -> None:
+        replica_id, worker_id, hashes = item
+        self.state.note_routed(replica_id, worker_id, tuple(hashes))
+        self._sync()
 
     def _on_report(self, _: None) -> None:
         for worker in self.workers.values():
@@ -316,6 +339,8 @@ class Simulation:
         self._publish(worker)
 
     def _publish(self, worker: _Worker) -> None:
+        if self.cfg.kv_events_with_reports:
+            return  # the next report carries them
         events = worker.pool.drain_events()
         if events:
             # Pushed at once (like a report), delivered after the network delay.
@@ -442,6 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(ROUTING_POLICIES))
     parser.add_argument("--ingress-replicas", default="1", metavar="N[,N...]",
                         help="ingress replicas following one scheduler view, e.g. 1,2,4")
+    parser.add_argument("--report-interval", type=float, default=SimConfig.report_interval_s,
+                        help="seconds between two load reports of a worker")
+    parser.add_argument("--no-share-routes", action="store_true",
+                        help="replicas do not tell each other their routing decisions")
+    parser.add_argument("--kv-events-with-reports", action="store_true",
+                        help="KV events travel with the next report, as real workers push them "
+                        f"(default: at once, arriving after {SimConfig.kv_event_delay_s} s)")
     args = parser.parse_args(argv)
     workload = Workload(
         num_requests=args.requests, num_groups=args.groups, system_prompt_tokens=args.system_tokens,
@@ -458,9 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         steering: list[EvictionWatermarks | None] = [EVICTION_MODES[m] for m in modes]
         for marks in steering or [None]:
             cfg = SimConfig(
-                num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n, eviction=marks
+                num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n, eviction=marks,
+                report_interval_s=args.report_interval, kv_events_with_reports=args.kv_events_with_reports,
             )
-            results += compare_policies(workload, cfg, policies)
+            results += compare_policies(
+                workload, cfg, policies, RouterConfig(share_routes=not args.no_share_routes)
+            )
     print(workload)
     print(format_table(results))
     return 0

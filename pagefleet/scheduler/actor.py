@@ -142,6 +142,14 @@ class SchedulerActor:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         return self._state.updates_since(generation, cursor)
 
+    async def routed(self, replica_id: str, notes: tuple[tuple[str, tuple[bytes, ...]], ...]) -> int:
+        """Relay an ingress replica's routing decisions, `(worker_id, block hashes)`
+        each, to the other replicas through the view; returns how many were published."""
+        published = sum(self._state.note_routed(replica_id, w, hashes) for w, hashes in notes)
+        if published:
+            self._wake()
+        return published
+
     async def get_view(self) -> ClusterView:
         """Snapshot of workers, liveness and latest reports."""
         return self._state.view()
@@ -160,6 +168,7 @@ class SchedulerActor:
             "drift_blocks": self._state.index_drift(),
             "kv_gaps": self._state.kv_gaps,
             "snapshots": self._state.snapshots,
+            "route_notes": self._state.route_notes,
         }
 
     async def migration_stats(self) -> dict[str, int]:

@@ -120,6 +120,11 @@ class WorkerDelta:
     drift_blocks: int = 0
     offload_stored: tuple[bytes, ...] = ()
     offload_removed: tuple[bytes, ...] = ()
+    # A route note, not a change of state: ingress replica `routed_by` sent a prompt
+    # with these block hashes to the worker (subscribers other than it index them
+    # as speculative, `Router.note_routed_elsewhere`). Never part of a snapshot.
+    routed: tuple[bytes, ...] = ()
+    routed_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,7 @@ class ClusterState:
         # Counters for metrics: KV sequence gaps seen, snapshots applied.
         self.kv_gaps = 0
         self.snapshots = 0
+        self.route_notes = 0  # routing decisions relayed between ingress replicas
         self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
         # Per pool, hash -> how many of its workers hold it: eviction drops replicated
         # prefixes first and the last copy last.
@@ -589,6 +595,22 @@ class ClusterState:
         for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
             del self._replicas[rid]
         return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
+
+    def note_routed(self, replica_id: str, worker_id: str, hashes: tuple[bytes, ...]) -> bool:
+        """Publish one routing decision of an ingress replica to the other replicas
+        (a route note in the delta log); False for a worker this view does not know."""
+        entry = self._workers.get(worker_id)
+        if entry is None or not hashes:
+            return False
+        self._append(
+            WorkerDelta(
+                entry.info, entry.published_alive, entry.report,
+                stalled=entry.published_stalled, drift_blocks=entry.drift_blocks,
+                routed=hashes, routed_by=replica_id,
+            )
+        )
+        self.route_notes += 1
+        return True
 
     # ----- subscriptions --------------------------------------------------
 
