@@ -193,3 +193,74 @@ def test_pushed_kv_events_reach_a_subscriber_as_deltas(scheduler: Any) -> None:
     assert ack.registered and not ack.snapshot
     update: ViewUpdate = ray.get(scheduler.subscribe.remote(generation, first.version, 5.0))
     assert [(d.info.worker_id, d.stored) for d in update.deltas] == [("w0", (b"h" * 16,))]
+
+
+def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler: Any) -> None:
+    """Two real ingresses follow the real scheduler and share one real worker (one seat):
+    the ingress without the request relays its abort through the scheduler, and the one
+    holding it waiting cancels it."""
+    import asyncio
+
+    from pagefleet.cluster.api import GenerationRequest
+    from pagefleet.cluster.config import ClusterConfig
+    from pagefleet.cluster.ingress import Ingress
+
+    config = ClusterConfig.from_dict(
+        {
+            "pools": [{"name": "a", "model": "tiny", "block_size": 16, "max_num_seqs": 1}],
+            "scheduler": {"wait_queue_size": 8},
+        }
+    )
+    worker = create_worker(
+        "w0", "a", EngineConfig(model="tiny", block_size=16, num_kv_blocks=32, max_model_len=128,
+                                max_num_seqs=1),
+        namespace=NAMESPACE, name="relay-abort-worker", report_interval_s=0.1,
+    )  # fmt: skip
+
+    async def until(predicate: Any) -> None:
+        async def poll() -> None:
+            while not predicate():
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), 60)
+
+    def request(request_id: str) -> GenerationRequest:
+        sampling = {"max_tokens": 100, "ignore_eos": True}
+        return GenerationRequest.create(request_id=request_id, prompt=[1, 2, 3], sampling=sampling, pool="a")
+
+    async def scenario() -> None:
+        holder = Ingress(config, {"a": [("w0", worker)]}, scheduler=scheduler)
+        other = Ingress(config, {"a": [("w0", worker)]}, scheduler=scheduler)
+        holder.start()
+        other.start()
+        try:
+            await until(lambda: holder.live_workers()["a"] and other.live_workers()["a"])
+            running = holder.generate(request("running"))
+            assert (await asyncio.wait_for(anext(running), 60)).token_ids
+            queued = holder.generate(request("queued"))
+            first = asyncio.ensure_future(anext(queued))
+            await until(lambda: holder.admission.waiting("a"))  # the worker's one seat is taken
+            assert await asyncio.wait_for(other.abort("queued"), 30)
+            assert (await asyncio.wait_for(first, 30)).finish_reason == "abort"
+            assert holder.admission.waiting("a") == 0
+            assert await asyncio.wait_for(other.abort("running"), 30)  # by the worker
+            async for delta in running:
+                last = delta
+            assert last.finish_reason == "abort"
+            # Found nowhere: every other replica passed the note, so the answer is prompt.
+            started = time.monotonic()
+            assert not await asyncio.wait_for(other.abort("no such request"), 30)
+            assert time.monotonic() - started < 1.5
+        finally:
+            await holder.close()
+            await other.close()
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 30
+        while (stats := ray.get(worker.stats.remote()))["live"]:
+            assert time.monotonic() < deadline, f"blocks still live: {stats}"
+            time.sleep(0.1)
+        assert stats["free"] + stats["cached"] == stats["total"]
+    finally:
+        ray.kill(worker, no_restart=True)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
-from pagefleet.scheduler.state import ClusterState
+from pagefleet.scheduler.state import ClusterState, WorkerDelta
 from pagefleet.worker.events import KVEventBatch, LoadReport, RequestLoad, WorkerInfo
 
 
@@ -325,3 +325,28 @@ def test_no_migration_order_without_a_migration_policy(state: ClusterState) -> N
     send(state, dataclasses.replace(report("w0", free=0), blocks_short=2, requests=(request,)))
     send(state, report("w1", free=90))
     assert state.migration_order("w0") is None
+
+
+def test_an_abort_note_settles_when_found_or_when_every_other_live_replica_passed_it(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    for rid in ("origin", "r1", "r2", "gone"):
+        state.note_replica(rid, state.generation, state.version)
+    clock.now += 2.0
+    for rid in ("origin", "r1", "r2"):
+        state.note_replica(rid, state.generation, state.version)
+    clock.now += 2.0  # "gone" is silent past report_timeout_s: not waited for
+    note = state.publish_abort("3:ten:req", "origin")
+    assert [d.key for d in state.updates_since(state.generation, state.version - 1).deltas] == ["3:ten:req"]
+    assert state.abort_settled(note, "origin") is None
+    state.note_replica("r1", state.generation, state.version)
+    assert state.abort_settled(note, "origin") is None  # r2 has not passed it yet
+    state.note_replica("r2", state.generation, state.version)
+    assert state.abort_settled(note, "origin") is False
+    found = state.publish_abort("3:ten:other", "origin")
+    state.note_replica("r2", state.generation, state.version - 1, found=(found,))
+    assert state.abort_settled(found, "origin") is True
+    assert all(isinstance(d, WorkerDelta) for d in state.snapshot().deltas)  # notes are no state
+    state.forget_abort(note)
+    state.forget_abort(found)
+    assert not state.aborts_pending

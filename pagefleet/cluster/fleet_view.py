@@ -13,6 +13,10 @@ does not know yet keep their last state here, so routing goes on while the
 scheduler rebuilds. While the scheduler is unreachable the replica keeps the
 last view and retries.
 
+The view also carries `AbortNote`s: an abort that reached another replica
+and found its request nowhere else. The replica holding that request
+waiting cancels it and says so with its next subscribe.
+
 `RouteSharer` carries this replica's routing decisions the other way, to
 the scheduler shard owning the pool, which relays them to the other
 replicas as route notes (`Router.note_routed_elsewhere`): one call in
@@ -28,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagefleet.cluster.router import Router
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.scheduler.state import AbortNote, ViewUpdate, WorkerDelta
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +57,16 @@ class FleetView:
         replica_id: str = "",
         *,
         shards: int = 1,
+        on_abort: Callable[[str], bool] | None = None,
     ) -> None:
+        """`on_abort(key)`: cancel the request `key` if this replica holds it (an
+        `AbortNote` of another replica); returns whether it did."""
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.router = router
         self.replica_id = replica_id
         self._on_delta = on_delta
+        self._on_abort = on_abort
         self._cursors: list[_Cursor] = [_Cursor() for _ in range(shards)]
         self.snapshots = 0
 
@@ -85,10 +93,14 @@ class FleetView:
                 self.router.clear_index()
             else:
                 # Only this shard's workers: the ones it told us of, and the ones it tells now.
-                cursor.workers.update(d.info.worker_id for d in update.deltas)
+                cursor.workers.update(d.info.worker_id for d in update.deltas if isinstance(d, WorkerDelta))
                 self.router.clear_index(cursor.workers)
             self.snapshots += 1
         for delta in update.deltas:
+            if isinstance(delta, AbortNote):
+                if delta.origin != self.replica_id and self._on_abort and self._on_abort(delta.key):
+                    cursor.found.append(delta.note_id)
+                continue
             if delta.routed:  # another replica's routing decision, no change of state
                 if delta.routed_by != self.replica_id:
                     self.router.note_routed_elsewhere(delta.info.worker_id, delta.routed)
@@ -122,13 +134,15 @@ class FleetView:
     async def _follow_shard(self, shard: int, scheduler: Any) -> None:
         cursor = self._cursors[shard]
         while True:
+            found, cursor.found = tuple(cursor.found), []
             try:
                 update = await scheduler.subscribe.remote(
-                    cursor.generation, cursor.version, LONG_POLL_S, self.replica_id
+                    cursor.generation, cursor.version, LONG_POLL_S, self.replica_id, found
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # scheduler restarting or gone: keep the last view
+                cursor.found[:0] = found
                 logger.debug(
                     "fleet view: scheduler shard %d unreachable (%s); retrying", shard, type(exc).__name__
                 )
@@ -149,13 +163,14 @@ class FleetView:
 class _Cursor:
     """Where the view stands with one scheduler shard."""
 
-    __slots__ = ("generation", "last_update_at", "version", "workers")
+    __slots__ = ("found", "generation", "last_update_at", "version", "workers")
 
     def __init__(self) -> None:
         self.generation: int | None = None
         self.version = 0
         self.last_update_at: float | None = None  # monotonic time of the shard's last answer
         self.workers: set[str] = set()  # the workers this shard's deltas described
+        self.found: list[int] = []  # abort notes found here, told with the next subscribe
 
 
 class RouteSharer:

@@ -25,7 +25,9 @@ the same way, to that target.
 Several ingress replicas can run side by side; each has its own wait queue,
 metrics and health, and tags the request ids it sends to workers with its
 replica id, so ids stay unique cluster-wide. An abort that reaches a replica
-not holding the request is passed to the workers, which find it by its key.
+not holding the request is passed to the workers, which find it by its key,
+and, if none has it, through the scheduler to the other replicas, one of
+which may hold it in its wait queue.
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ class Ingress:
         self._scheduler = scheduler
         self.slots = WorkerSlots(config, workers, self.router, self._dispatch, metrics)
         self.admission = Admission(config, self.router, self.slots, self.replica_id, metrics)
-        self.fleet = FleetView(self.router, self.slots.apply, self.replica_id)
+        self.fleet = FleetView(
+            self.router, self.slots.apply, self.replica_id, on_abort=self._abort_here
+        )
         self._prompts = Prompts()
         self._running: dict[str, _Running] = {}
         if metrics is not None:
@@ -337,12 +341,25 @@ class Ingress:
             await state.slot.handle.abort.remote(self._worker_rid(request_id))
         return True
 
-    async def _abort_elsewhere(self, key: str, tenant: str) -> bool:
-        """Abort a request another replica streams: the workers of the tenant's pools end
-        it (their stream, relayed by that replica, ends with "abort") and free its blocks.
+    def _abort_here(self, key: str) -> bool:
+        """Another replica's abort note: cancel `key` if it waits here (or has just been
+        routed from the queue and runs here); returns whether it was here."""
+        if self.admission.cancel(key):
+            return True
+        state = self._running.get(key)
+        if state is None:
+            return False
+        state.aborted = True
+        _fire_and_forget(state.slot.handle.abort.remote(self._worker_rid(key)))
+        return True
 
-        The key is tenant-scoped, so another tenant's request is never found. A
-        request waiting in another replica's queue is not reached (it has no worker yet).
+    async def _abort_elsewhere(self, key: str, tenant: str) -> bool:
+        """Abort a request another replica holds: the workers of the tenant's pools end
+        it (their stream, relayed by that replica, ends with "abort") and free its blocks;
+        failing that, the scheduler relays the abort to the other replicas, one of which
+        may hold it waiting in its queue (`SchedulerActor.relay_abort`).
+
+        The key is tenant-scoped, so another tenant's request is never found.
         """
         try:
             pools = self.config.visible_pools(self.config.tenant(tenant))
@@ -355,7 +372,17 @@ class Ingress:
             if slot.alive
         ]
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        return any(answer is True for answer in answers)
+        if any(answer is True for answer in answers):
+            return True
+        if self._scheduler is None:
+            return False
+        # Every replica follows every shard, so shard 0 reaches them all.
+        shard0 = self._scheduler[0] if isinstance(self._scheduler, Sequence) else self._scheduler
+        try:
+            return bool(await shard0.relay_abort.remote(key, self.replica_id))
+        except Exception as exc:  # scheduler restarting: nobody can be asked now
+            logger.warning("abort of %s: the scheduler could not relay it (%s)", key, type(exc).__name__)
+            return False
 
     def _migration_target(self, source: WorkerSlot, target: str | None) -> WorkerSlot | None:
         """The worker the scheduler moved a stream to, if it can take it (live, same pool)."""

@@ -89,6 +89,7 @@ class SchedulerActor:
             migration=migration,
         )
         self._changed = asyncio.Event()
+        self._acked = asyncio.Event()  # a replica subscribed while abort notes are pending
         self._ticker: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
@@ -126,15 +127,20 @@ class SchedulerActor:
         )
 
     async def subscribe(
-        self, generation: int | None, cursor: int, timeout_s: float = 5.0, replica_id: str = ""
-    ) -> ViewUpdate:
+        self, generation: int | None, cursor: int, timeout_s: float = 5.0, replica_id: str = "",
+        found: tuple[int, ...] = (),
+    ) -> ViewUpdate:  # fmt: skip
         """Deltas after `cursor` (a snapshot when the subscriber cannot continue from it).
 
         Waits up to `timeout_s` for something new before answering with no deltas.
         `replica_id` names the subscribing ingress replica: one that stops
-        subscribing is dead, and workers abort the requests it sent.
+        subscribing is dead, and workers abort the requests it sent. `found`:
+        the abort notes whose request it found and cancelled (`relay_abort`).
         """
-        self._state.note_replica(replica_id)
+        self._state.note_replica(replica_id, generation, cursor, found)
+        if self._state.aborts_pending:
+            self._acked.set()
+            self._acked = asyncio.Event()
         update = self._state.updates_since(generation, cursor)
         if update.snapshot or update.deltas:
             return update
@@ -149,6 +155,26 @@ class SchedulerActor:
         if published:
             self._wake()
         return published
+
+    async def relay_abort(self, key: str, origin: str, timeout_s: float = 2.0) -> bool:
+        """Find and cancel a request waiting in another ingress replica's queue: every
+        replica but `origin` gets an abort note with its view. True as soon as one
+        found it; False once all the live others have passed the note, or after
+        `timeout_s`."""
+        note_id = self._state.publish_abort(key, origin)
+        self._wake()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while (settled := self._state.abort_settled(note_id, origin)) is None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._acked.wait(), left)
+            return settled
+        finally:
+            self._state.forget_abort(note_id)
 
     async def get_view(self) -> ClusterView:
         """Snapshot of workers, liveness and latest reports."""

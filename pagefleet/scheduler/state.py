@@ -128,6 +128,20 @@ class WorkerDelta:
 
 
 @dataclass(frozen=True)
+class AbortNote:
+    """An abort looking for a request that waits in some ingress replica's queue.
+
+    Replica `origin` could not find the request (tenant-scoped `key`) in its
+    own tables nor on any worker; every other replica that holds it cancels
+    it and says so with its next subscribe (`found`). Never part of a snapshot.
+    """
+
+    note_id: int
+    key: str
+    origin: str
+
+
+@dataclass(frozen=True)
 class ViewUpdate:
     """The answer to a subscriber: deltas after its cursor, or a snapshot.
 
@@ -138,7 +152,7 @@ class ViewUpdate:
     generation: int
     version: int
     snapshot: bool
-    deltas: tuple[WorkerDelta, ...]
+    deltas: tuple[WorkerDelta | AbortNote, ...]
 
 
 @dataclass(frozen=True)
@@ -227,12 +241,16 @@ class ClusterState:
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
         self._version = 0
-        self._log: deque[WorkerDelta] = deque(maxlen=log_size)
+        self._log: deque[WorkerDelta | AbortNote] = deque(maxlen=log_size)
         # Counters for metrics: KV sequence gaps seen, snapshots applied.
         self.kv_gaps = 0
         self.snapshots = 0
         self.route_notes = 0  # routing decisions relayed between ingress replicas
         self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
+        self._replica_cursors: dict[str, tuple[int | None, int]] = {}  # id -> its last cursor
+        # Abort notes not settled yet: note id -> (its version, found by some replica).
+        self._aborts: dict[int, tuple[int, bool]] = {}
+        self._next_note = 0
         # Per pool, hash -> how many of its workers hold it: eviction drops replicated
         # prefixes first and the last copy last.
         self._copies: dict[str, dict[bytes, int]] = {}
@@ -580,10 +598,50 @@ class ClusterState:
 
     # ----- ingress replicas -----------------------------------------------
 
-    def note_replica(self, replica_id: str) -> None:
-        """An ingress replica subscribed: it is alive."""
+    def note_replica(
+        self, replica_id: str, generation: int | None = None, cursor: int = 0,
+        found: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
+        """An ingress replica subscribed from `cursor` (it has applied everything up to
+        it): it is alive. `found`: abort notes it found its request for."""
         if replica_id:
             self._replicas[replica_id] = self._clock()
+            self._replica_cursors[replica_id] = (generation, cursor)
+        for note_id in found:
+            if note_id in self._aborts:
+                self._aborts[note_id] = (self._aborts[note_id][0], True)
+
+    def publish_abort(self, key: str, origin: str) -> int:
+        """Ask every ingress replica but `origin` to cancel the waiting request `key`;
+        returns the note's id for `abort_settled`."""
+        self._next_note += 1
+        note_id = self._next_note
+        self._append(AbortNote(note_id, key, origin))
+        self._aborts[note_id] = (self._version, False)
+        return note_id
+
+    def abort_settled(self, note_id: int, origin: str) -> bool | None:
+        """True once a replica found the request; False once every other live replica
+        has subscribed past the note without finding it; None while neither."""
+        version, found = self._aborts[note_id]
+        if found:
+            return True
+        now = self._clock()
+        for rid, seen in self._replicas.items():
+            if rid == origin or now - seen > self.report_timeout_s:
+                continue
+            generation, cursor = self._replica_cursors.get(rid, (None, 0))
+            if generation != self.generation or cursor < version:
+                return None
+        return False
+
+    def forget_abort(self, note_id: int) -> None:
+        """Drop a note, settled or timed out."""
+        self._aborts.pop(note_id, None)
+
+    @property
+    def aborts_pending(self) -> bool:
+        return bool(self._aborts)
 
     def dead_replicas(self) -> tuple[str, ...]:
         """Replicas silent for `report_timeout_s`: workers abort the requests they sent.
@@ -594,6 +652,7 @@ class ClusterState:
         now = self._clock()
         for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
             del self._replicas[rid]
+            self._replica_cursors.pop(rid, None)
         return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
 
     def note_routed(self, replica_id: str, worker_id: str, hashes: tuple[bytes, ...]) -> bool:
@@ -659,7 +718,7 @@ class ClusterState:
             )
         )
 
-    def _append(self, delta: WorkerDelta) -> None:
+    def _append(self, delta: WorkerDelta | AbortNote) -> None:
         self._version += 1
         self._log.append(delta)
 
