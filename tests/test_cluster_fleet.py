@@ -238,6 +238,15 @@ def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_uncha
     assert any(m.token_ids and m.worker_id == pinned for m in moved[0])
     after = ray.get(cluster.scheduler.migration_stats.remote(), timeout=30)["default"]
     assert after > before
+    # GetStatus shows the hand-off: on the worker that gave it up, and for the pool.
+    with grpc.insecure_channel(target) as channel:
+
+        def moved() -> dict[str, int]:
+            (pool,) = pb_grpc.GenerationStub(channel).GetStatus(pb.StatusRequest(), timeout=30).pools
+            return {"pool": pool.migrations, **{w.worker_id: w.migrations_out for w in pool.workers}}
+
+        wait_for(lambda: moved()[pinned] > 0 and moved()["pool"] >= moved()[pinned], 10,
+                 "the migration in GetStatus", 0.2)  # fmt: skip
 
 
 def _replica_channel(target: str, avoid: str) -> tuple[grpc.Channel, pb_grpc.GenerationStub]:

@@ -40,6 +40,7 @@ def make_report(**overrides: object) -> LoadReport:
         committed_blocks=12,
         priority_claims={0: (2, 30), 5: (1, 8)},
         origin_claims={"replica-a": 38},
+        migrations_out=4,
     )
     fields.update(overrides)
     return LoadReport(**fields)  # type: ignore[arg-type]

@@ -174,6 +174,7 @@ def format_status(status: pb.StatusResponse) -> str:
         ("wait", 4),
         ("hit%", 6),
         ("routed", 7),
+        ("moved", 6),
     )
     header = " ".join(name.rjust(width) if i else name.ljust(width) for i, (name, width) in enumerate(columns))
     lines: list[str] = []
@@ -183,7 +184,7 @@ def format_status(status: pb.StatusResponse) -> str:
             f"live_workers={pool.live_workers}/{len(pool.workers)} "
             f"blocks free={pool.free_blocks} live={pool.live_blocks} "
             f"cached={pool.cached_blocks} total={pool.total_blocks} "
-            f"hit_rate={100 * pool.hit_rate:.1f}%"
+            f"hit_rate={100 * pool.hit_rate:.1f}% migrations={pool.migrations}"
         )
         lines.append(header)
         for w in pool.workers:
@@ -199,6 +200,7 @@ def format_status(status: pb.StatusResponse) -> str:
                 w.num_waiting,
                 f"{100 * w.hit_rate:.1f}",
                 w.requests_routed,
+                w.migrations_out,
             )
             lines.append(
                 " ".join(

@@ -167,7 +167,7 @@ function render(state) {
     box.append(el("h2", {}, `pool ${p.name}: model ${p.model}, router ${p.router_policy}, ` +
       `${p.live_workers}/${p.workers.length} workers live, hit rate ${pct(p.hit_rate)}, ` +
       `running ${p.num_running}, waiting ${p.num_waiting}, ` +
-      `preemptions ${p.preemptions}, evictions ${p.evictions}`));
+      `preemptions ${p.preemptions}, evictions ${p.evictions}, migrations ${p.migrations}`));
     for (const w of p.workers) {
       const row = el("div", {class: "worker" + (w.alive ? "" : " dead"), "data-worker": w.worker_id});
       row.append(el("div", {class: "name"}, w.worker_id + (w.alive ? "" : " (down)")));
@@ -178,7 +178,8 @@ function render(state) {
       stats.innerText = `blocks ${w.total_blocks}: live ${w.live_blocks}, cached ${w.cached_blocks}, ` +
         `free ${w.free_blocks} (peak live ${w.peak_live_blocks})\\n` +
         `hit rate ${pct(w.hit_rate)} of ${w.prefix_query_tokens} prompt tokens\\n` +
-        `running ${w.num_running}, waiting ${w.num_waiting}, routed ${w.requests_routed}\\n` +
+        `running ${w.num_running}, waiting ${w.num_waiting}, routed ${w.requests_routed}, ` +
+        `migrated out ${w.migrations_out}\\n` +
         `preemptions ${w.preemptions}, evictions ${w.evictions}`;
       row.append(stats);
       box.append(row);

@@ -192,6 +192,8 @@ class WorkerSlots:
             "model": str(cfg.model),
             "live_workers": len(live),
             "hit_rate": hits / query if query else 0.0,
+            # Cumulative over the workers' incarnations now reporting.
+            "migrations": sum(w["migrations_out"] for w in workers),
             "workers": workers,
         }
         for key in BLOCK_FIELDS:
@@ -211,6 +213,7 @@ def worker_status(slot: WorkerSlot) -> dict[str, Any]:
         "prefix_query_tokens": r.prefix_query_tokens if r else 0,
         "prefix_hit_tokens": r.prefix_hit_tokens if r else 0,
         "hit_rate": r.hit_rate if r else 0.0,
+        "migrations_out": r.migrations_out if r else 0,
     }
     for key in BLOCK_FIELDS:
         entry[key] = int(getattr(r, key)) if r else 0

@@ -77,6 +77,7 @@ class WorkerActor:
         self._active: set[str] = set()  # ids of the requests streaming now
         self._migrating: dict[str, str] = {}  # request id -> worker it is handed to
         self._preemptions_seen = 0
+        self._migrations_out = 0  # hand-offs ordered by the scheduler, for GetStatus
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
             self._ensure_reporter()
@@ -137,6 +138,7 @@ class WorkerActor:
         if request_id in self._active and request_id not in self._migrating:
             logger.info("worker %s: migrating %s to %s", self.worker_id, request_id, target)
             self._migrating[request_id] = target
+            self._migrations_out += 1
             self._engine.abort(request_id)
 
     # ----- state --------------------------------------------------------
@@ -196,6 +198,7 @@ class WorkerActor:
             origin_claims=_by_origin(claims.by_request),
             blocks_short=blocks_short,
             requests=requests,
+            migrations_out=self._migrations_out,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:

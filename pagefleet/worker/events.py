@@ -165,6 +165,8 @@ class LoadReport:
     # scheduler may migrate.
     blocks_short: int = 0
     requests: tuple[RequestLoad, ...] = ()
+    # Cumulative: requests this incarnation handed to another worker on the scheduler's order.
+    migrations_out: int = 0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -225,6 +227,7 @@ class LoadReport:
                 "origin_claims": dict(self.origin_claims),
                 "blocks_short": self.blocks_short,
                 "requests": [list(r) for r in self.requests],
+                "migrations_out": self.migrations_out,
             },
             use_bin_type=True,
         )
@@ -267,6 +270,7 @@ class LoadReport:
             origin_claims=_count_map(obj, "origin_claims") if "origin_claims" in obj else {},
             blocks_short=_get(obj, "blocks_short", int) if "blocks_short" in obj else 0,
             requests=_request_loads(obj) if "requests" in obj else (),
+            migrations_out=_get(obj, "migrations_out", int) if "migrations_out" in obj else 0,
         )
 
     @classmethod
@@ -287,6 +291,7 @@ class LoadReport:
         origin_claims: Mapping[str, int] | None = None,
         blocks_short: int = 0,
         requests: Iterable[RequestLoad] = (),
+        migrations_out: int = 0,
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -341,6 +346,7 @@ class LoadReport:
             origin_claims=dict(origin_claims or {}),
             blocks_short=blocks_short,
             requests=tuple(requests),
+            migrations_out=migrations_out,
         )
 
 

@@ -173,6 +173,7 @@ class WorkerStatus(_message.Message):
         "free_blocks",
         "hit_rate",
         "live_blocks",
+        "migrations_out",
         "node_id",
         "num_running",
         "num_waiting",
@@ -199,6 +200,7 @@ class WorkerStatus(_message.Message):
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -214,6 +216,7 @@ class WorkerStatus(_message.Message):
     hit_rate: float
     requests_routed: int
     node_id: str
+    migrations_out: int
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -231,6 +234,7 @@ class WorkerStatus(_message.Message):
         hit_rate: float | None = ...,
         requests_routed: int | None = ...,
         node_id: str | None = ...,
+        migrations_out: int | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
@@ -240,6 +244,7 @@ class PoolStatus(_message.Message):
         "hit_rate",
         "live_blocks",
         "live_workers",
+        "migrations",
         "model",
         "name",
         "num_running",
@@ -262,6 +267,7 @@ class PoolStatus(_message.Message):
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     router_policy: str
@@ -275,6 +281,7 @@ class PoolStatus(_message.Message):
     hit_rate: float
     live_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    migrations: int
     def __init__(
         self,
         name: str | None = ...,
@@ -290,6 +297,7 @@ class PoolStatus(_message.Message):
         hit_rate: float | None = ...,
         live_workers: int | None = ...,
         workers: _Iterable[WorkerStatus | _Mapping] | None = ...,
+        migrations: int | None = ...,
     ) -> None: ...
 
 class StatusResponse(_message.Message):
