@@ -116,3 +116,14 @@ def test_scheduler_steered_eviction_keeps_every_pool_whole(mode: str) -> None:
         worker.pool.check_integrity()
     # Round robin copies every prefix everywhere: replica awareness evicts copies first.
     assert (result.duplicate_evictions > 0) == (mode == "replica_aware")
+
+
+def test_several_seeds_print_medians_against_the_single_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagefleet.cluster.simulator import main
+
+    argv = ["--requests", "40", "--groups", "2", "--system-tokens", "64", "--workers", "2",
+            "--policies", "prefix_affinity", "--ingress-replicas", "1,2", "--seeds", "2"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| prefix")]
+    assert [row.split("|")[3].strip() for row in rows] == ["1", "2"]
+    assert rows[0].split("|")[5].strip() == "100.0%"  # one replica against itself

@@ -29,6 +29,7 @@ import argparse
 import functools
 import heapq
 import random
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -459,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
     parser.add_argument("--rate", type=float, default=Workload.arrival_rate, help="requests per second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="run seeds seed..seed+N-1 and print medians over them, with each "
+                        "run's hit rate against the single-replica run of its seed")
     parser.add_argument("--hot-share", type=float, default=0.0,
                         help="share of requests on one hot prefix (group 0)")
     parser.add_argument("--eviction", default="", metavar="MODE[,MODE...]",
@@ -484,21 +488,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in EVICTION_MODES]
     if unknown:
         parser.error(f"--eviction: unknown {', '.join(unknown)}; one of {', '.join(EVICTION_MODES)}")
+    if args.seeds < 1:
+        parser.error(f"--seeds: must be >= 1, got {args.seeds}")
     policies = [p for p in args.policies.split(",") if p]
-    results = []
-    for n in (int(x) for x in args.ingress_replicas.split(",")):
-        steering: list[EvictionWatermarks | None] = [EVICTION_MODES[m] for m in modes]
-        for marks in steering or [None]:
-            cfg = SimConfig(
-                num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n, eviction=marks,
-                report_interval_s=args.report_interval, kv_events_with_reports=args.kv_events_with_reports,
-            )
-            results += compare_policies(
-                workload, cfg, policies, RouterConfig(share_routes=not args.no_share_routes)
-            )
+    counts = [int(x) for x in args.ingress_replicas.split(",")]
+    steering: list[EvictionWatermarks | None] = [EVICTION_MODES[m] for m in modes] or [None]
+    router = RouterConfig(share_routes=not args.no_share_routes)
+    by_seed: list[list[SimResult]] = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        results = []
+        for n in counts:
+            for marks in steering:
+                cfg = SimConfig(
+                    num_workers=args.workers, num_blocks=args.blocks, num_ingress_replicas=n,
+                    eviction=marks, report_interval_s=args.report_interval,
+                    kv_events_with_reports=args.kv_events_with_reports,
+                )  # fmt: skip
+                results += compare_policies(replace(workload, seed=seed), cfg, policies, router)
+        by_seed.append(results)
     print(workload)
-    print(format_table(results))
+    if args.seeds == 1:
+        print(format_table(by_seed[0]))
+    else:
+        print(format_medians(by_seed))
     return 0
+
+
+def format_medians(by_seed: Sequence[Sequence[SimResult]]) -> str:
+    """Per policy, eviction and replica count: medians over seeds of the hit rate, of it
+    against the single-replica run of the same seed, and of TTFT p99."""
+    lines = [
+        "| policy | eviction | ingress replicas | hit rate (median) | vs 1 replica (median) "
+        "| vs 1 replica (worst) | TTFT p99 (s, median) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(by_seed[0]):
+        runs = [results[i] for results in by_seed]
+        ratios = []
+        for results, run in zip(by_seed, runs, strict=True):
+            single = next(
+                (x for x in results
+                 if (x.policy, x.eviction, x.num_ingress_replicas) == (run.policy, run.eviction, 1)),
+                None,
+            )  # fmt: skip
+            if single is not None and single.hit_rate:
+                ratios.append(run.hit_rate / single.hit_rate)
+        vs = f"{statistics.median(ratios):.1%} | {min(ratios):.1%}" if ratios else "- | -"
+        lines.append(
+            f"| {r.policy} | {r.eviction} | {r.num_ingress_replicas} "
+            f"| {statistics.median(x.hit_rate for x in runs):.1%} | {vs} "
+            f"| {statistics.median(x.ttft_p99_s for x in runs):.3f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
