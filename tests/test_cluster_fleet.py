@@ -325,16 +325,52 @@ def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
         doomed.rest()
     # The workers abort the dead replica's requests (autouse check), and Serve
     # restarts the replica: fresh connections reach two replicas again.
-    def replicas_reached() -> int:
-        replicas = set()
-        for _ in range(8):
-            with contextlib.suppress(grpc.RpcError):  # a connection to the dying replica
-                s = Stream(target, "hello", max_tokens=1)
-                s.rest()
-                replicas.add(s.replica)
-        return len(replicas)
+    wait_for(lambda: _replicas_reached(target) == 2, 120, "two live replicas after Serve restarted one", 1.0)
 
-    wait_for(lambda: replicas_reached() == 2, 120, "two live replicas after Serve restarted one", 1.0)
+
+def _replicas_reached(target: str) -> int:
+    replicas = set()
+    for _ in range(8):
+        with contextlib.suppress(grpc.RpcError):  # a connection to a dying replica
+            s = Stream(target, "hello", max_tokens=1)
+            s.rest()
+            replicas.add(s.replica)
+    return len(replicas)
+
+
+def test_a_replica_scaled_down_hands_its_clients_to_the_other_while_its_streams_finish(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    prompt = "One of two drains now"
+    sampling, want = _long(offline, prompt)
+    first = _stream_on(target, None, prompt, **sampling)
+    second = _stream_on(target, first.replica, prompt, avoid=True, **sampling)
+    for s in (first, second):
+        s.first_token()
+    # As Serve stops a replica it scales down (`__del__`); Serve picks which one.
+    drained = cluster.ingress.drain_and_stop.remote(60.0, hand_off=True)
+    stubs = [pb_grpc.GenerationStub(s.channel) for s in (first, second)]
+
+    def served_by() -> set[str]:
+        # A new call on each stream's own connection; none may be refused meanwhile.
+        replicas = set()
+        for stub in stubs:
+            call = stub.Generate(build_request("a new call on an open channel", {"max_tokens": 1}), timeout=60)
+            replicas.add(dict(call.initial_metadata())[REPLICA_KEY])
+            assert list(call)[-1].finish_reason == "length"
+        return replicas
+
+    # Once the drain has begun, both connections' new calls reach the replica left.
+    wait_for(lambda: len(served_by()) == 1, 30, "new calls on both channels served by one replica", 0.05)
+    (left,) = served_by()
+    for s in (first, second):
+        got = s.rest()
+        assert tokens_of(got) == want and got[-1].finish_reason == "length"
+    assert drained.result(timeout_s=90) == 0  # nothing had to be aborted
+    # Heal: the drained replica stays up, stopped on purpose; Serve restarts it once killed.
+    gone = second.replica if left == first.replica else first.replica
+    os.kill(_pid(gone), signal.SIGKILL)
+    wait_for(lambda: _replicas_reached(target) == 2, 120, "two live replicas again", 1.0)
 
 
 def test_killed_scheduler_leaves_streams_intact_and_the_view_rebuilds(

@@ -21,6 +21,7 @@ endpoints and shuts everything down again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ from ray import serve
 
 from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
 from pagefleet.cluster.config import ClusterConfig, PoolConfig
-from pagefleet.cluster.drain import Drain
+from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
@@ -115,14 +116,27 @@ class IngressDeployment:
         """Switch what a worker must have room for (full: prompt + max_tokens; prompt)."""
         self.ingress.set_admission(mode)
 
-    async def drain_and_stop(self, timeout_s: float) -> int:
+    async def drain_and_stop(self, timeout_s: float, *, hand_off: bool = False) -> int:
         """Graceful shutdown: stop accepting (health NOT_SERVING, new requests UNAVAILABLE),
         let running streams finish for up to `timeout_s` (then abort them), stop the servers.
-        Returns how many streams had to be aborted."""
+        Returns how many streams had to be aborted.
+
+        `hand_off`: other replicas go on serving on the same port (Serve scales this one
+        down). The gRPC server then stops at once, which closes its listening socket and
+        sends GOAWAY on every connection: running streams go on, and each client's next
+        call opens a new connection, which the kernel gives to a replica still listening,
+        instead of getting UNAVAILABLE here until the drain ends."""
+        stopping = (
+            asyncio.ensure_future(self.server.stop(grace=timeout_s + ABORT_GRACE_S + 2.0))
+            if hand_off else None
+        )  # fmt: skip
         aborted = await self.drain.wait(timeout_s)
         if self.http is not None:
             await self.http.stop(timeout_s=2.0)
-        await self.server.stop(grace=2.0)
+        if stopping is not None:
+            await stopping
+        else:
+            await self.server.stop(grace=2.0)
         return aborted
 
     async def check_health(self) -> None:
@@ -142,7 +156,7 @@ class IngressDeployment:
         # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
         # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
         if not self.drain.draining:
-            await self.drain_and_stop(self._drain_timeout_s)
+            await self.drain_and_stop(self._drain_timeout_s, hand_off=True)
         await self.ingress.close()
 
 
