@@ -33,6 +33,10 @@ shows medians.
 the hash's range; the load report is decoded by the pool's owner, range 0,
 only) and reports what each instance absorbs.
 
+`--route-notes 2000 --replicas 8` measures what the replicas' route notes
+(`router.share_routes`) cost the scheduler and each replica at that many
+routing decisions per second.
+
 `--ray-pushes 3000` sends one pool's pushes through a real `SchedulerActor`
 on a local Ray and reads the actor process's CPU time, against
 `ClusterState.push` in this process: what Ray's per-call cost adds.
@@ -52,7 +56,7 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.fleet_view import FleetView
+from pagefleet.cluster.fleet_view import ROUTE_NOTE_INTERVAL_S, FleetView
 from pagefleet.cluster.router import Router, RouterConfig
 from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
@@ -398,6 +402,55 @@ def ray_actor_table(args: argparse.Namespace) -> None:
     print(f"| actor, per wall second (this machine) | {med['wall']:,.0f} | {med['wall'] / med['peer']:.2f}x |")
 
 
+def route_notes_table(args: argparse.Namespace) -> None:
+    """What route notes cost (`router.share_routes`): `--route-notes` requests per second,
+    each of a 32-block system prompt plus 4 blocks, routed by one of `--replicas`
+    ingress replicas and relayed by the scheduler to the others.
+
+    Scheduler: `ClusterState.note_routed` per decision plus `updates_since` once
+    per replica per batch (the long-poll answer). Replica: `FleetView.apply` of
+    the other replicas' notes (`Router.note_routed_elsewhere`). CPU seconds,
+    against one second of the rate: the share of one core each spends.
+    """
+    fleet = Fleet(args.workers, args.pools, args.cached)
+    state = build_state(fleet)
+    # The default router: speculative entries on, which is what the notes feed.
+    replicas = [FleetView(Router(seed=0), lambda _d: None, f"r{i}") for i in range(args.replicas)]
+    for view in replicas:
+        view.apply(state.updates_since(None, 0))
+    rng = random.Random(2)
+    decisions = []
+    for _ in range(args.route_notes):
+        wid, pool = rng.choice(fleet.workers)
+        prompt = rng.choice(fleet.prompts[pool]) + [rng.randrange(32000) for _ in range(4 * BLOCK_SIZE)]
+        decisions.append((f"r{rng.randrange(args.replicas)}", wid, tuple(hash_token_blocks(prompt, BLOCK_SIZE))))
+    # Each replica sends what it routed in ROUTE_NOTE_INTERVAL_S in one call, and each
+    # long poll brings every replica the notes of that interval: 1/interval rounds a second.
+    rounds = round(1 / ROUTE_NOTE_INTERVAL_S)
+    batch = max(1, args.route_notes // rounds)
+    scheduler_s = replica_s = 0.0
+    for start in range(0, len(decisions), batch):
+        chunk = decisions[start : start + batch]
+
+        def publish(chunk: list[tuple[str, str, tuple[bytes, ...]]] = chunk) -> None:
+            for rid, wid, hashes in chunk:
+                state.note_routed(rid, wid, hashes)
+
+        scheduler_s += _timed(publish)
+        for view in replicas:
+            start_cpu = time.process_time()
+            update = state.updates_since(view.generation, view.version)
+            answered = time.process_time()
+            view.apply(update)
+            scheduler_s += answered - start_cpu
+            replica_s += time.process_time() - answered
+    per_replica = replica_s / len(replicas)
+    print(f"route notes: {args.route_notes} decisions/s over {args.replicas} replicas, 36 blocks each: "
+          f"scheduler {scheduler_s:.3f} s CPU per second of traffic ({1 / scheduler_s:.1f}x headroom, "
+          f"before Ray's cost of {rounds * args.replicas} calls/s in and answers out), "
+          f"each replica {per_replica:.3f} s ({100 * per_replica:.1f}% of a core)")
+
+
 def _counts(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -416,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians shown)")
     parser.add_argument("--ray-pushes", type=int, default=0,
                         help="also push this many through a real scheduler actor on a local Ray")  # fmt: skip
+    parser.add_argument("--route-notes", type=int, default=0,
+                        help="also measure route notes at this many routing decisions per second")
+    parser.add_argument("--replicas", type=int, default=8, help="ingress replicas, for --route-notes")
     args = parser.parse_args(argv)
 
     print(f"fleet: {args.workers} workers, {args.pools} pools, {args.cached} cached hashes each, "
@@ -434,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray_pushes:
         print()
         ray_actor_table(args)
+    if args.route_notes:
+        print()
+        route_notes_table(args)
     print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 

@@ -19,8 +19,9 @@ waiting cancels it and says so with its next subscribe.
 
 `RouteSharer` carries this replica's routing decisions the other way, to
 the scheduler shard owning the pool, which relays them to the other
-replicas as route notes (`Router.note_routed_elsewhere`): one call in
-flight per shard, the decisions made meanwhile coalesced into the next.
+replicas as route notes (`Router.note_routed_elsewhere`): one call per
+shard per `ROUTE_NOTE_INTERVAL_S` at most, carrying every decision made
+since the previous one.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 # that "last heard from the scheduler" stays a useful staleness signal.
 LONG_POLL_S = 1.0
 RETRY_S = 0.2
+# A replica sends the routing decisions of this long in one call to a shard: at most
+# 1 / ROUTE_NOTE_INTERVAL_S calls a second per replica and shard, whatever the rate.
+ROUTE_NOTE_INTERVAL_S = 0.01
 
 
 class FleetView:
@@ -203,7 +207,11 @@ class RouteSharer:
 
     async def _send(self, shard: int) -> None:
         try:
-            while notes := self._pending.pop(shard, None):
+            while True:
+                await asyncio.sleep(ROUTE_NOTE_INTERVAL_S)  # the burst so far goes in one call
+                notes = self._pending.pop(shard, None)
+                if not notes:
+                    return
                 try:
                     self.sent += await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes))
                 except asyncio.CancelledError:
