@@ -192,7 +192,6 @@ class RouteSharer:
         self._schedulers: list[Any] = []
         self._pending: dict[int, list[tuple[str, tuple[bytes, ...]]]] = {}
         self._sending: dict[int, asyncio.Task[None]] = {}
-        self.sent = 0  # notes the scheduler accepted
 
     def bind(self, schedulers: Any | Sequence[Any]) -> None:
         self._schedulers = list(schedulers) if isinstance(schedulers, Sequence) else [schedulers]
@@ -213,7 +212,7 @@ class RouteSharer:
                 if not notes:
                     return
                 try:
-                    self.sent += await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes))
+                    await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # scheduler restarting: these hints are lost
