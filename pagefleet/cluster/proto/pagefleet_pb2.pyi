@@ -170,6 +170,7 @@ class WorkerStatus(_message.Message):
     __slots__ = (
         "alive",
         "cached_blocks",
+        "draining",
         "free_blocks",
         "hit_rate",
         "live_blocks",
@@ -199,6 +200,7 @@ class WorkerStatus(_message.Message):
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -214,6 +216,7 @@ class WorkerStatus(_message.Message):
     hit_rate: float
     requests_routed: int
     node_id: str
+    draining: bool
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -231,6 +234,7 @@ class WorkerStatus(_message.Message):
         hit_rate: float | None = ...,
         requests_routed: int | None = ...,
         node_id: str | None = ...,
+        draining: bool | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
