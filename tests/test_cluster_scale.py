@@ -2,9 +2,9 @@
 
 One cluster for the module: pool "default" starts with 1 CPU worker, routed
 round robin so new requests spread over every live worker. The tests run in
-order, each starting from the pool the previous one left: a worker added
-while a stream runs, a removal that drains a stream, refusals, a worker Ray
-cannot place, and a removal whose drain times out. After every test each
+order, each starting from the pool the previous one left: two workers added
+while a stream runs, a removal that drains a stream, a removal whose drain
+times out, refusals, and a worker Ray cannot place. After every test each
 remaining worker has no live block and free + cached == total.
 """
 
@@ -91,21 +91,24 @@ def _metric_workers(cluster: RunningCluster) -> set[str]:
     }
 
 
-def test_a_worker_added_while_a_stream_runs_joins_routing(cluster: RunningCluster, offline: LLM) -> None:
+ALL = {"default-0", "default-1", "default-2"}
+
+
+def test_workers_added_while_a_stream_runs_join_routing(cluster: RunningCluster, offline: LLM) -> None:
     channel, stream = open_stream(cluster.grpc_target, "A stream while the pool grows", **SAMPLING)
     with channel:
         first = next(stream)
-        result = _scale(cluster, 2)
-        assert result["added"] == ["default-1"] and result["workers"] == ["default-0", "default-1"]
-        wait_for(lambda: _workers(cluster).get("default-1", pb.WorkerStatus()).alive, 30, "default-1 live")
-        # Round robin: new requests now go to both workers, the new one included.
-        routed = {generate(cluster.grpc_target, f"spread {i}", max_tokens=2)[-1].worker_id for i in range(4)}
-        assert routed == {"default-0", "default-1"}
+        result = _scale(cluster, 3)
+        assert result["added"] == ["default-1", "default-2"] and result["workers"] == sorted(ALL)
+        wait_for(lambda: sum(w.alive for w in _workers(cluster).values()) == 3, 30, "three live workers")
+        # Round robin: new requests now go to every worker, the new ones included.
+        routed = {generate(cluster.grpc_target, f"spread {i}", max_tokens=2)[-1].worker_id for i in range(6)}
+        assert routed == ALL
         rest = list(stream)
     assert tokens_of([first, *rest]) == _want(offline, "A stream while the pool grows")
     assert {m.worker_id for m in [first, *rest] if m.token_ids} == {"default-0"}
-    assert pool_status(cluster.grpc_target).live_workers == 2
-    wait_for(lambda: _metric_workers(cluster) == {"default-0", "default-1"}, 30, "metrics of both workers")
+    assert pool_status(cluster.grpc_target).live_workers == 3
+    wait_for(lambda: _metric_workers(cluster) == ALL, 30, "metrics of every worker")
 
 
 def test_a_removed_worker_drains_its_stream_then_leaves_every_view(
@@ -116,14 +119,13 @@ def test_a_removed_worker_drains_its_stream_then_leaves_every_view(
     with channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = next(stream)
         victim = first.worker_id
-        (survivor,) = set(_workers(cluster)) - {victim}
+        survivors = set(_workers(cluster)) - {victim}
         removal = pool.submit(lambda: ray.get(cluster.membership.remove.remote(victim, 60.0), timeout=120))
         wait_for(lambda: _workers(cluster)[victim].draining, 30, f"{victim} draining")
         assert not _workers(cluster)[victim].alive
-        # Out of routing: every new request goes to the survivor, while the stream goes on.
-        assert {generate(cluster.grpc_target, f"drain {i}", max_tokens=2)[-1].worker_id for i in range(3)} == {
-            survivor
-        }
+        # Out of routing: new requests go to the survivors only, while the stream goes on.
+        routed = {generate(cluster.grpc_target, f"drain {i}", max_tokens=2)[-1].worker_id for i in range(4)}
+        assert routed == survivors
         rest = list(stream)
         result = removal.result(timeout=120)
     messages = [first, *rest]
@@ -132,13 +134,31 @@ def test_a_removed_worker_drains_its_stream_then_leaves_every_view(
     assert {m.worker_id for m in messages if m.token_ids} == {victim}
     assert messages[-1].finish_reason == "length"
     assert result["removed"] == [victim] and result["failed_over"] == 0
-    assert result["workers"] == [survivor]
-    wait_for(lambda: set(_workers(cluster)) == {survivor}, 30, f"{victim} gone from GetStatus")
+    assert set(result["workers"]) == survivors
+    wait_for(lambda: set(_workers(cluster)) == survivors, 30, f"{victim} gone from GetStatus")
     view = ray.get(cluster.scheduler.get_view.remote(), timeout=30)
-    assert [w.worker_id for w in view.workers] == [survivor]
+    assert {w.worker_id for w in view.workers} == survivors
     with pytest.raises(ValueError):
         ray.get_actor(f"pagefleet-worker-{victim}", namespace="pagefleet")
-    wait_for(lambda: _metric_workers(cluster) == {survivor}, 30, "the removed worker's metrics gone")
+    wait_for(lambda: _metric_workers(cluster) == survivors, 30, "the removed worker's metrics gone")
+
+
+def test_a_removal_past_its_drain_timeout_fails_the_stream_over_by_recompute(
+    cluster: RunningCluster, offline: LLM
+) -> None:
+    prompt = "A stream that outlasts the drain timeout"
+    channel, stream = open_stream(cluster.grpc_target, prompt, **SAMPLING)
+    with channel:
+        first = next(stream)
+        victim = first.worker_id
+        result = ray.get(cluster.membership.remove.remote(victim, 0.5), timeout=120)
+        rest = list(stream)
+    messages = [first, *rest]
+    assert result["removed"] == [victim] and result["failed_over"] == 1
+    assert tokens_of(messages) == _want(offline, prompt)
+    assert messages[-1].finish_reason == "length" and messages[-1].worker_id != victim
+    wait_for(lambda: victim not in _workers(cluster), 30, f"{victim} gone from GetStatus")
+    assert len(tokens_of(messages)) == SAMPLING["max_tokens"] < MAX_MODEL_LEN
 
 
 def test_removing_the_last_worker_is_refused_and_it_keeps_serving(
@@ -170,27 +190,6 @@ def test_a_worker_ray_cannot_place_is_reported_and_its_id_never_reused(
         assert "it was not added" in err
     finally:
         remove_placement_group(hog)
-    assert len(_workers(cluster)) == 1
-    # With room again: a new worker, with an id none of the earlier ones had.
-    assert main(["scale", "--pool", "default", "--workers", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "pool default: added default-3;" in out
-    wait_for(lambda: len([w for w in _workers(cluster).values() if w.alive]) == 2, 30, "two live workers")
-
-
-def test_a_removal_past_its_drain_timeout_fails_the_stream_over_by_recompute(
-    cluster: RunningCluster, offline: LLM
-) -> None:
-    prompt = "A stream that outlasts the drain timeout"
-    channel, stream = open_stream(cluster.grpc_target, prompt, **SAMPLING)
-    with channel:
-        first = next(stream)
-        victim = first.worker_id
-        result = ray.get(cluster.membership.remove.remote(victim, 0.5), timeout=120)
-        rest = list(stream)
-    messages = [first, *rest]
-    assert result["removed"] == [victim] and result["failed_over"] == 1
-    assert tokens_of(messages) == _want(offline, prompt)
-    assert messages[-1].finish_reason == "length" and messages[-1].worker_id != victim
-    wait_for(lambda: victim not in _workers(cluster), 30, f"{victim} gone from GetStatus")
-    assert len(tokens_of(messages)) == SAMPLING["max_tokens"] < MAX_MODEL_LEN
+    # Its id was new (default-1 and default-2 were removed before): ids are never reused.
+    assert "worker default-3 of pool 'default'" in err
+    assert len(_workers(cluster)) == 1 and pool_status(cluster.grpc_target).live_workers == 1

@@ -20,7 +20,7 @@ import yaml
 from cluster_fixtures import generate, status, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagefleet.cluster.serve_app import parse_args
+from pagefleet.cluster.serve_app import parse_args, parse_user_config
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "manifests" / "serve.yaml"
@@ -53,6 +53,18 @@ def test_builder_reads_a_config_file(tmp_path: Path) -> None:
     parsed = parse_args({"config": str(path), "metrics_port": None})
     assert [(p.name, p.workers) for p in parsed.config.pools] == [("chat", 3)]
     assert parsed.metrics_port is None
+
+
+def test_user_config_sets_pool_sizes_and_names_a_bad_field() -> None:
+    config = parse_args({"config": {"pools": [{"name": "a"}, {"name": "b"}]}}).config
+    assert parse_user_config({"pool_workers": {"b": 3}}, config) == {"b": 3}
+    assert parse_user_config(None, config) == {}
+    with pytest.raises(ValueError, match=r"pool_workers\.c: unknown pool \(pools: a, b\)"):
+        parse_user_config({"pool_workers": {"c": 1}}, config)
+    with pytest.raises(ValueError, match=r"pool_workers\.a: must be an integer >= 1"):
+        parse_user_config({"pool_workers": {"a": 0}}, config)
+    with pytest.raises(ValueError, match=r"user_config\.workers: unknown field \(known: pool_workers\)"):
+        parse_user_config({"workers": 2}, config)
 
 
 def _serve_config(tmp_path: Path, ports: dict[str, int]) -> Path:

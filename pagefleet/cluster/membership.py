@@ -30,6 +30,7 @@ router entry and metric series. The last worker of a pool is never removed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -278,7 +279,7 @@ class Membership:
         member.draining = True
         started = time.monotonic()
         await scheduler.set_draining.remote(member.worker_id, True)
-        active = await self._drain(member, drain_timeout_s)
+        active = await self._drain(member, scheduler, drain_timeout_s)
         ray.kill(member.handle, no_restart=True)
         # Only once it is dead may the scheduler forget it: a push of a live process
         # would register it again.
@@ -299,13 +300,17 @@ class Membership:
         )
         return active
 
-    async def _drain(self, member: _Member, timeout_s: float) -> int:
+    async def _drain(self, member: _Member, scheduler: Any, timeout_s: float) -> int:
         """Wait until the worker has had no stream for SETTLE_S, at most `timeout_s`;
         returns the streams still open at the end (0 when it drained)."""
         deadline = time.monotonic() + timeout_s
         idle_since: float | None = None
         active = 0
         while True:
+            # Said again on every poll (a no-op when unchanged): a restarted scheduler
+            # starts with no draining mark and would route to the worker again.
+            with contextlib.suppress(Exception):
+                await scheduler.set_draining.remote(member.worker_id, True)
             now = time.monotonic()
             try:
                 info = await asyncio.wait_for(member.handle.info.remote(), max(1.0, deadline - now))
