@@ -331,6 +331,18 @@ class Membership:
             await asyncio.sleep(POLL_S)
 
 
+def describe_change(result: dict[str, Any]) -> str:
+    """One line: what changed in the pool and who serves it now."""
+    changes = []
+    if result["added"]:
+        changes.append(f"added {', '.join(result['added'])}")
+    if result["removed"]:
+        moved = f" ({result['failed_over']} streams failed over)" if result["failed_over"] else ""
+        changes.append(f"removed {', '.join(result['removed'])}{moved}")
+    done = "; ".join(changes) or "no change"
+    return f"pool {result['pool']}: {done}; workers: {', '.join(result['workers'])}"
+
+
 def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[Any, ...]) -> Any:
     """Create the named `Membership` actor (it starts the configured workers) and return its handle.
 

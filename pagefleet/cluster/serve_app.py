@@ -31,6 +31,7 @@ It starts what `pagefleet serve` starts, with the ports of the config's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,9 @@ from pagefleet.cluster.app import (
     ingress_options,
 )
 from pagefleet.cluster.config import ClusterConfig, ConfigError
-from pagefleet.cluster.membership import DEFAULT_ADD_TIMEOUT_S, start_membership
+from pagefleet.cluster.membership import DEFAULT_ADD_TIMEOUT_S, describe_change, start_membership
+
+logger = logging.getLogger(__name__)
 
 WORKERS_NAME = "pagefleet-workers"
 DEFAULT_METRICS_PORT = 9400
@@ -88,10 +91,18 @@ class WorkerOwner:
         to its size, adding workers or draining and removing the newest ones."""
         sizes = parse_user_config(user_config, self.config)
         for pool, workers in sizes.items():
-            await self.membership.scale.remote(
-                pool, workers, timeout_s=DEFAULT_ADD_TIMEOUT_S,
-                drain_timeout_s=self.config.server.drain_timeout_s,
-            )
+            try:
+                result = await self.membership.scale.remote(
+                    pool, workers, timeout_s=DEFAULT_ADD_TIMEOUT_S,
+                    drain_timeout_s=self.config.server.drain_timeout_s,
+                )
+            except Exception as exc:
+                # Not raised to Serve: a failed reconfigure may restart this replica, and
+                # every worker ends with it. The pool keeps the workers it has.
+                cause = getattr(exc, "cause", None) or exc
+                logger.error("pagefleet-workers: pool %s not brought to %d workers: %s", pool, workers, cause)
+                continue
+            logger.warning("pagefleet-workers: %s", describe_change(result))
 
 
 class ServeIngress(IngressDeployment):

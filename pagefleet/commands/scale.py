@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from pagefleet.cluster.app import NAMESPACE
-    from pagefleet.cluster.membership import MembershipError, get_membership
+    from pagefleet.cluster.membership import MembershipError, describe_change, get_membership
 
     if not ray.is_initialized():
         try:
@@ -83,17 +83,5 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(cause) if cause is not None else str(exc).splitlines()[0]) from exc
     except MembershipError as exc:  # no deployment on this cluster
         raise CommandError(str(exc)) from exc
-    print(format_result(result))
+    print(describe_change(result))
     return 0
-
-
-def format_result(result: dict[str, Any]) -> str:
-    """One line: what changed in the pool and who serves it now."""
-    changes = []
-    if result["added"]:
-        changes.append(f"added {', '.join(result['added'])}")
-    if result["removed"]:
-        moved = f" ({result['failed_over']} streams failed over)" if result["failed_over"] else ""
-        changes.append(f"removed {', '.join(result['removed'])}{moved}")
-    done = "; ".join(changes) or "no change"
-    return f"pool {result['pool']}: {done}; workers: {', '.join(result['workers'])}"
