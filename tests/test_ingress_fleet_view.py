@@ -103,6 +103,26 @@ def test_a_worker_the_view_shows_first_gets_a_slot_and_joins_routing() -> None:
         other = WorkerDelta(WorkerInfo("x0", "elsewhere", 64), True, None)
         _apply(ingress, 3, other)
         assert resolved == ["w1"] and [s.worker_id for s in ingress.slots.all()] == ["w0", "w1"]
+        assert ingress.router.workers("elsewhere", alive_only=True) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_joining_worker_without_an_actor_stays_out_of_routing_until_it_resolves() -> None:
+    async def scenario() -> None:
+        config = ClusterConfig.from_dict({"pools": [{"name": "a"}]})
+        handles: dict[str, str] = {}
+
+        def resolve(worker_id: str) -> str:
+            return handles[worker_id]  # KeyError: not visible yet
+
+        ingress = Ingress(config, {"a": [("w0", None)]}, resolve_worker=resolve)
+        _apply(ingress, 2, _delta("w0"), _delta("w1"))
+        assert ingress.router.workers("a", alive_only=True) == ["w0"]
+        handles["w1"] = "h1"
+        _apply(ingress, 3, _delta("w1", seq=2))
+        assert ingress.router.workers("a", alive_only=True) == ["w0", "w1"]
+        assert ingress.slots["w1"].handle == "h1"
 
     asyncio.run(scenario())
 

@@ -163,6 +163,9 @@ class WorkerSlots:
         if slot is None:
             slot = None if delta.gone else self._join(delta)
             if slot is None:
+                # The router took the worker from the same delta: without a slot (no
+                # handle) it must not be chosen. The next delta tries again.
+                self._router.set_alive(delta.info.worker_id, False)
                 return
         if delta.gone:
             self._forget(slot)
