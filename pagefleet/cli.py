@@ -20,6 +20,7 @@ COMMANDS = {
     "generate": "generate",
     "serve": "serve",
     "status": "status",
+    "scale": "scale",
     "bench": "bench",
 }
 

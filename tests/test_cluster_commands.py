@@ -77,3 +77,33 @@ def test_serve_refuses_a_cuda_pool_without_cuda(tmp_path: Path, capsys: pytest.C
     path.write_text("pools:\n  - {name: gpu, device: cuda}\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "pools[0] (gpu): device 'cuda'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pool", "default", "--workers", "0"], "--workers must be >= 1 (a pool keeps at least one worker), got 0"),
+        (["--workers", "2"], "--workers needs --pool NAME"),
+        ([], "give exactly one of --workers N (with --pool) and --remove WORKER_ID"),
+        (["--pool", "a", "--workers", "2", "--remove", "a-0"], "give exactly one of"),
+        (["--pool", "a", "--remove", "a-0"], "--remove names the worker; --pool goes with --workers"),
+        (["--pool", "a", "--workers", "2", "--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+        (["--remove", "a-1", "--drain-timeout", "-1"], "--drain-timeout must be > 0 seconds, got -1"),
+    ],
+)
+def test_scale_bad_input_is_one_line_and_exit_2_before_any_connection(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["scale", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagefleet scale: error: ") and "\n" not in err
+    assert message in err
+
+
+def test_scale_help_names_every_flag_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["scale", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--pool", "--workers", "--remove", "--timeout", "--drain-timeout", "--address"):
+        assert flag in out
+    assert "(default: 300.0)" in out and "(default: 60.0)" in out and "$RAY_ADDRESS or auto" in out

@@ -4,12 +4,15 @@ and the view merged from several scheduler shards."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
 
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
@@ -67,6 +70,96 @@ def test_preemptions_per_minute_come_from_the_reports() -> None:
         _apply(ingress, 2, _delta("w0"), _delta("w1"))
         _apply(ingress, 3, _delta("w0", seq=2, preempted=3), _delta("w1", seq=2, preempted=2))
         assert ingress.preemptions_per_minute() == {"a": 5.0}
+
+    asyncio.run(scenario())
+
+
+# ----- membership: workers added and removed while serving --------------------------
+
+
+def _scaling_ingress(metrics: IngressMetrics | None = None) -> tuple[Ingress, list[str]]:
+    """Pool a started with w0; workers joining later are resolved by id (and recorded)."""
+    config = ClusterConfig.from_dict({"pools": [{"name": "a"}]})
+    resolved: list[str] = []
+
+    def resolve(worker_id: str) -> str:
+        resolved.append(worker_id)
+        return f"handle-of-{worker_id}"
+
+    return Ingress(config, {"a": [("w0", None)]}, metrics=metrics, resolve_worker=resolve), resolved
+
+
+def test_a_worker_the_view_shows_first_gets_a_slot_and_joins_routing() -> None:
+    async def scenario() -> None:
+        ingress, resolved = _scaling_ingress()
+        _apply(ingress, 2, _delta("w0"), _delta("w1"))
+        assert resolved == ["w1"]
+        assert [s.worker_id for s in ingress.slots.pool("a")] == ["w0", "w1"]
+        assert ingress.slots["w1"].handle == "handle-of-w1"
+        assert ingress.live_workers() == {"a": 2}
+        assert ingress.router.workers("a", alive_only=True) == ["w0", "w1"]
+        assert [w["worker_id"] for w in ingress.status()[0]["workers"]] == ["w0", "w1"]
+        # A worker of a pool this deployment does not serve gets none.
+        other = WorkerDelta(WorkerInfo("x0", "elsewhere", 64), True, None)
+        _apply(ingress, 3, other)
+        assert resolved == ["w1"] and [s.worker_id for s in ingress.slots.all()] == ["w0", "w1"]
+        assert ingress.router.workers("elsewhere", alive_only=True) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_joining_worker_without_an_actor_stays_out_of_routing_until_it_resolves() -> None:
+    async def scenario() -> None:
+        config = ClusterConfig.from_dict({"pools": [{"name": "a"}]})
+        handles: dict[str, str] = {}
+
+        def resolve(worker_id: str) -> str:
+            return handles[worker_id]  # KeyError: not visible yet
+
+        ingress = Ingress(config, {"a": [("w0", None)]}, resolve_worker=resolve)
+        _apply(ingress, 2, _delta("w0"), _delta("w1"))
+        assert ingress.router.workers("a", alive_only=True) == ["w0"]
+        handles["w1"] = "h1"
+        _apply(ingress, 3, _delta("w1", seq=2))
+        assert ingress.router.workers("a", alive_only=True) == ["w0", "w1"]
+        assert ingress.slots["w1"].handle == "h1"
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_worker_leaves_routing_but_keeps_its_streams() -> None:
+    async def scenario() -> None:
+        ingress, _ = _scaling_ingress()
+        _apply(ingress, 2, _delta("w0"), _delta("w1"))
+        _apply(ingress, 3, dataclasses.replace(_delta("w1", seq=2), draining=True))
+        w1 = ingress.slots["w1"]
+        assert not w1.alive and w1.draining and not w1.left.is_set()
+        assert ingress.router.workers("a", alive_only=True) == ["w0"]
+        assert ingress.status()[0]["workers"][1]["draining"] is True
+        await ingress.wait_ready(1.0)  # a draining worker is not waited for
+
+    asyncio.run(scenario())
+
+
+def test_a_removed_worker_loses_its_slot_router_entry_and_metric_series() -> None:
+    async def scenario() -> None:
+        metrics = IngressMetrics()
+        ingress, _ = _scaling_ingress(metrics)
+        _apply(ingress, 2, _delta("w0"), _delta("w1"))
+
+        def series() -> set[str]:
+            text = generate_latest(metrics.registry).decode()
+            return {w for w in ("w0", "w1") if f'worker="{w}"' in text}
+
+        assert series() == {"w0", "w1"}
+        w1 = ingress.slots["w1"]
+        _apply(ingress, 3, WorkerDelta(WorkerInfo("w1", "a", 64), False, None, reset=True, gone=True))
+        assert [s.worker_id for s in ingress.slots.all()] == ["w0"]
+        assert ingress.router.workers("a") == ["w0"]
+        assert w1.left.is_set()  # a stream still on it (killed at a drain timeout) moves
+        assert series() == {"w0"}
+        ingress.slots.mark_dead(w1)  # a late failure of that stream brings no series back
+        assert series() == {"w0"}
 
     asyncio.run(scenario())
 

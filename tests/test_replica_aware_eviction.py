@@ -153,3 +153,12 @@ def test_a_duplicated_hash_evicted_and_stored_again_is_a_last_copy_until_told_ot
     assert not pool.is_duplicated(H[1])
     pool.check_integrity()
     assert pool.stats().free + pool.stats().cached == pool.stats().total
+
+
+def test_a_draining_worker_keeps_no_prefix_for_the_others() -> None:
+    state = _state_with({"w0": [H[1]], "w1": [H[1]]})
+    keeper = _keeper(["w0", "w1"])
+    other = "w1" if keeper == "w0" else "w0"
+    assert state.duplicated_hashes(other) == {H[1]}
+    state.set_draining(keeper)  # about to be removed: its copy is no copy to count on
+    assert state.duplicated_hashes(other) == frozenset()

@@ -350,3 +350,46 @@ def test_an_abort_note_settles_when_found_or_when_every_other_live_replica_passe
     state.forget_abort(note)
     state.forget_abort(found)
     assert not state.aborts_pending
+
+
+# ----- membership changes: draining before a removal ---------------------------------
+
+
+def test_a_draining_worker_stays_alive_but_is_published_out_of_routing(state: ClusterState) -> None:
+    send(state, report("w0"))
+    cursor = state.version
+    assert state.set_draining("w0")
+    (delta,) = state.updates_since(7, cursor).deltas
+    assert delta.info.worker_id == "w0" and delta.alive and delta.draining
+    assert state.is_alive("w0")  # it still reports: its streams finish there
+    assert [w.draining for w in state.view().workers] == [True, False, False]
+    assert [d.draining for d in state.snapshot().deltas] == [True, False, False]
+    send(state, report("w0", 2))  # later pushes keep saying so
+    assert state.updates_since(7, state.version - 1).deltas[0].draining
+    assert not state.set_draining("nope")
+
+
+def test_no_migration_goes_to_a_draining_worker(clock: FakeClock) -> None:
+    state = ClusterState(
+        report_timeout_s=3.0, generation=7, clock=clock, migration=MigrationPolicy(margin_blocks=0)
+    )
+    state.register_worker(WorkerInfo("w0", "chat", 100, block_size=4))
+    state.register_worker(WorkerInfo("w1", "chat", 100, block_size=4))
+    request = RequestLoad("r@replica", 0, 5, 40)
+    send(state, dataclasses.replace(report("w0", free=0), blocks_short=2, requests=(request,)))
+    send(state, report("w1", free=90))
+    state.set_draining("w1")
+    assert state.migration_order("w0") is None
+    state.set_draining("w1", False)
+    assert state.migration_order("w0") is not None
+
+
+def test_a_removed_workers_hashes_leave_the_index_with_it(state: ClusterState) -> None:
+    h = b"h" * 16
+    for wid in ("w0", "w1"):
+        state.push(report(wid), KVEventBatch(wid, 1, (("stored", h),), True))
+    assert state.copies("chat", h) == 2
+    state.set_draining("w1")
+    assert state.deregister_worker("w1")
+    assert state.copies("chat", h) == 1 and state.workers("chat") == ["w0"]
+    assert state.updates_since(7, state.version - 1).deltas[0].gone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ import yaml
 from cluster_fixtures import generate, status, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagefleet.cluster.serve_app import parse_args
+from pagefleet.cluster.serve_app import parse_args, parse_user_config
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "manifests" / "serve.yaml"
@@ -55,6 +56,18 @@ def test_builder_reads_a_config_file(tmp_path: Path) -> None:
     assert parsed.metrics_port is None
 
 
+def test_user_config_sets_pool_sizes_and_names_a_bad_field() -> None:
+    config = parse_args({"config": {"pools": [{"name": "a"}, {"name": "b"}]}}).config
+    assert parse_user_config({"pool_workers": {"b": 3}}, config) == {"b": 3}
+    assert parse_user_config(None, config) == {}
+    with pytest.raises(ValueError, match=r"pool_workers\.c: unknown pool \(pools: a, b\)"):
+        parse_user_config({"pool_workers": {"c": 1}}, config)
+    with pytest.raises(ValueError, match=r"pool_workers\.a: must be an integer >= 1"):
+        parse_user_config({"pool_workers": {"a": 0}}, config)
+    with pytest.raises(ValueError, match=r"user_config\.workers: unknown field \(known: pool_workers\)"):
+        parse_user_config({"workers": 2}, config)
+
+
 def _serve_config(tmp_path: Path, ports: dict[str, int]) -> Path:
     """manifests/serve.yaml with free ports and a small CPU pool."""
     data: dict[str, Any] = yaml.safe_load(SERVE_YAML.read_text())
@@ -85,6 +98,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     log = (tmp / "serve.log").open("w+")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # A second `serve run` onto this cluster (the pool-size test) joins it: no token.
+    env["RAY_AUTH_MODE"] = "disabled"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.serve.scripts", "run", str(_serve_config(tmp, ports))],
         stdout=log,
@@ -96,7 +111,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     try:
         wait_for(lambda: proc.poll() is not None or _serving(target), 300, "serve run to serve", 1.0)
         assert proc.poll() is None, Path(log.name).read_text()[-4000:]
-        yield {"target": target, "http": f"http://127.0.0.1:{ports['http']}", "log": Path(log.name)}
+        yield {
+            "target": target, "http": f"http://127.0.0.1:{ports['http']}", "log": Path(log.name),
+            "config": tmp / "serve.yaml", "env": env, "tmp": tmp, "process": proc,
+        }
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -174,3 +192,64 @@ def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(served: di
     after = _routed(chromium_dom(url))
     assert set(after) == grpc_workers
     assert sum(after.values()) >= sum(before.values()) + 4
+
+
+# ----- pool sizes from the Serve config: user_config + serve run again (reconfigure) ------------
+
+
+def _gcs_address(process: subprocess.Popen[bytes]) -> str:
+    """The GCS address of the Ray instance `serve run` started: its own gcs_server descendant."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    mine = {process.pid}
+    while grown := {pid for pid, ppid in parents.items() if ppid in mine} - mine:
+        mine |= grown
+    for pid in mine:
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+            if "gcs_server_port" in flags:
+                # Port 0 asks for a free one; the chosen port is written to the session dir.
+                port = flags["gcs_server_port"]
+                if port == "0":
+                    (written,) = Path(flags["session-dir"]).glob("gcs_server_port_*")
+                    port = written.read_text().strip()
+                return f"{flags.get('node-ip-address', '127.0.0.1')}:{port}"
+    raise AssertionError("no gcs_server under the serve run process")
+
+
+def _redeploy_with_pool_size(served: dict[str, Any], workers: int) -> None:
+    """The served config with `pagefleet-workers`' user_config naming the pool's size, deployed
+    again onto the running cluster: a lightweight update (Serve calls `reconfigure`)."""
+    data: dict[str, Any] = yaml.safe_load(served["config"].read_text())
+    (owner,) = [d for d in data["applications"][0]["deployments"] if d["name"] == "pagefleet-workers"]
+    owner["user_config"] = {"pool_workers": {"default": workers}}
+    path = served["tmp"] / f"serve-{workers}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    # `serve run` submits the config and returns; never `auto` on a machine with other clusters.
+    address = _gcs_address(served["process"])
+    done = subprocess.run(
+        [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", "--address", address, str(path)],
+        env=served["env"], cwd=served["tmp"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_a_user_config_change_adds_and_drains_workers_without_a_restart(served: dict[str, Any]) -> None:
+    def workers() -> dict[str, bool]:
+        return {w.worker_id: w.alive for w in status(served["target"]).pools[0].workers}
+
+    before = generate(served["target"], "Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
+    _redeploy_with_pool_size(served, 3)
+    wait_for(lambda: workers() == {"default-0": True, "default-1": True, "default-2": True}, 180, "3 live")
+    routed = {generate(served["target"], f"spread {i}", max_tokens=1)[-1].worker_id for i in range(16)}
+    assert "default-2" in routed
+    _redeploy_with_pool_size(served, 2)
+    wait_for(lambda: workers() == {"default-0": True, "default-1": True}, 180, "default-2 drained and gone")
+    # The same ingress replica and workers serve on: the greedy answer is unchanged.
+    again = generate(served["target"], "Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert [t for m in again for t in m.token_ids] == [t for m in before for t in m.token_ids]

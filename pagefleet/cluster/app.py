@@ -6,7 +6,9 @@ What runs where (one Ray cluster):
   with `scheduler.shards: N` also `pagefleet-scheduler-1` ... `-<N-1>`, each
   owning whole pools (`ClusterConfig.scheduler_shards`).
 - `pagefleet-worker-<pool>-<i>`: one `WorkerActor` per GPU (CPU workers on a
-  machine without one), restartable, spread over the nodes.
+  machine without one), restartable, spread over the nodes; started and owned by
+- `pagefleet-membership` (`membership.Membership`), which also adds and removes
+  workers while serving (`pagefleet scale`).
 - `pagefleet-ingress`: a Ray Serve deployment (`server.ingress_replicas`
   replicas, on the head node, sharing its ports through SO_REUSEPORT) whose
   every replica runs
@@ -33,10 +35,11 @@ import ray
 from ray import serve
 
 from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
-from pagefleet.cluster.config import ClusterConfig, PoolConfig
+from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership, worker_actor_name
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.openai_http import HttpServer, start_http_server
 
@@ -46,9 +49,6 @@ NAMESPACE = "pagefleet"
 APP_NAME = "pagefleet"
 INGRESS_NAME = "pagefleet-ingress"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-# Logical CPUs a CPU-only worker asks Ray for: two workers fit a 2-core laptop
-# next to the ingress and the scheduler (which ask for none).
-CPU_WORKER_NUM_CPUS = 0.5
 
 
 class IngressDeployment:
@@ -66,11 +66,19 @@ class IngressDeployment:
         metrics_port: int | None,
         schedulers: tuple[Any, ...],
         http_port: int | None = None,
+        namespace: str | None = None,
     ) -> None:
         self.metrics = IngressMetrics()
         self._drain_timeout_s = config.server.drain_timeout_s
+
+        def resolve_worker(worker_id: str) -> Any:
+            # A worker added while serving: its named actor, in the workers' namespace.
+            return ray.get_actor(worker_actor_name(worker_id), namespace=namespace)
+
         # The shards' handles: the ingress's fleet view follows each and merges them.
-        self.ingress = Ingress(config, workers, scheduler=schedulers, metrics=self.metrics)
+        self.ingress = Ingress(
+            config, workers, scheduler=schedulers, metrics=self.metrics, resolve_worker=resolve_worker
+        )
         self.ingress.start()
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
@@ -167,7 +175,7 @@ class RunningCluster:
     config: ClusterConfig
     grpc_port: int
     metrics_port: int | None
-    workers: dict[str, list[tuple[str, Any]]]
+    membership: Any  # the `Membership` actor: owns the workers, adds and removes them
     schedulers: tuple[Any, ...]  # one handle per scheduler shard (one by default)
     host: str = "127.0.0.1"
     started_ray: bool = False
@@ -183,6 +191,12 @@ class RunningCluster:
     def http_url(self) -> str | None:
         """Base URL of the OpenAI HTTP API (`.../v1/completions`), None when disabled."""
         return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
+
+    @property
+    def workers(self) -> dict[str, list[tuple[str, Any]]]:
+        """`{pool: [(worker_id, actor handle), ...]}` now (workers added or being removed included)."""
+        members: dict[str, list[tuple[str, Any]]] = ray.get(self.membership.members.remote(), timeout=60)
+        return members
 
     @property
     def scheduler(self) -> Any:
@@ -222,21 +236,11 @@ class RunningCluster:
         for pool_workers in self.workers.values():
             for _, handle in pool_workers:
                 ray.kill(handle, no_restart=True)
+        ray.kill(self.membership, no_restart=True)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
         if self.started_ray:
             ray.shutdown()
-
-
-def worker_resources(pool: PoolConfig, cluster_gpus: float) -> tuple[float, float]:
-    """(num_cpus, num_gpus) one worker of `pool` asks Ray for."""
-    if pool.num_gpus_per_worker is not None:
-        num_gpus = pool.num_gpus_per_worker
-    elif pool.device == "cpu":
-        num_gpus = 0.0
-    else:
-        num_gpus = 1.0 if cluster_gpus > 0 else 0.0
-    return (1.0 if num_gpus > 0 else CPU_WORKER_NUM_CPUS), num_gpus
 
 
 def start_cluster(
@@ -269,7 +273,8 @@ def start_cluster(
         started_ray = True
     namespace = ray.get_runtime_context().namespace
     schedulers = _start_schedulers(config, namespace)
-    workers = _start_workers(config, namespace)
+    membership = start_membership(config, namespace, schedulers)
+    workers = ray.get(membership.members.remote(), timeout=ready_timeout_s)
     serve.start(http_options={"location": "NoServer"})
     replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
     deployment = serve.deployment(
@@ -300,7 +305,7 @@ def start_cluster(
             reserved.append(sock)
     try:
         handle = serve.run(
-            deployment.bind(config, workers, port, metrics_port, schedulers, http_port),
+            deployment.bind(config, workers, port, metrics_port, schedulers, http_port, namespace),
             name=APP_NAME,
             route_prefix=None,
         )
@@ -313,7 +318,7 @@ def start_cluster(
         config=config,
         grpc_port=ports["grpc_port"],
         metrics_port=ports["metrics_port"],
-        workers=workers,
+        membership=membership,
         schedulers=schedulers,
         started_ray=started_ray,
         ingress=handle,
@@ -368,40 +373,6 @@ def _reserve_port(host: str) -> tuple[int, socket.socket]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, 0))
     return int(sock.getsockname()[1]), sock
-
-
-def _start_workers(config: ClusterConfig, namespace: str) -> dict[str, list[tuple[str, Any]]]:
-    from pagefleet.scheduler.actor import shard_actor_name
-    from pagefleet.worker.actor import create_worker
-    from pagefleet.worker.config import EngineConfig
-
-    cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
-    shards = config.scheduler_shards()
-    workers: dict[str, list[tuple[str, Any]]] = {}
-    for pool in config.pools:
-        num_cpus, num_gpus = worker_resources(pool, cluster_gpus)
-        engine_config = EngineConfig(
-            **pool.engine_kwargs(device="cuda" if num_gpus else "cpu"),
-            tenant_max_live_blocks=config.tenant_block_caps(),
-        )
-        workers[pool.name] = []
-        for i in range(pool.workers):
-            worker_id = f"{pool.name}-{i}"
-            handle = create_worker(
-                worker_id,
-                pool.name,
-                engine_config,
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                name=f"pagefleet-worker-{worker_id}",
-                namespace=namespace,
-                report_interval_s=config.scheduler.report_interval_s,
-                scheduler_name=shard_actor_name(shards[pool.name]),
-                torch_threads=max(1, int(num_cpus)) if not num_gpus else None,
-                scheduling_strategy="SPREAD",
-            )
-            workers[pool.name].append((worker_id, handle))
-    return workers
 
 
 def build(args: dict[str, Any]) -> Any:

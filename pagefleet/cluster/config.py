@@ -288,6 +288,10 @@ class SchedulerConfig:
 
 
 DEFAULT_HTTP_PORT = 8000
+# `pagefleet scale` / `Membership`: how long a new worker may take to be placed and load,
+# and how long a removed worker's streams get to finish before they fail over.
+DEFAULT_WORKER_ADD_TIMEOUT_S = 300.0
+DEFAULT_WORKER_DRAIN_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
 

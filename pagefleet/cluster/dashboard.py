@@ -170,7 +170,7 @@ function render(state) {
       `preemptions ${p.preemptions}, evictions ${p.evictions}, migrations ${p.migrations}`));
     for (const w of p.workers) {
       const row = el("div", {class: "worker" + (w.alive ? "" : " dead"), "data-worker": w.worker_id});
-      row.append(el("div", {class: "name"}, w.worker_id + (w.alive ? "" : " (down)")));
+      row.append(el("div", {class: "name"}, w.worker_id + (w.alive ? "" : w.draining ? " (draining)" : " (down)")));
       const canvas = el("canvas");
       drawMap(canvas, w);
       row.append(canvas);

@@ -39,7 +39,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,7 @@ class Ingress:
         scheduler: Any = None,
         metrics: IngressMetrics | None = None,
         router_seed: int | None = None,
+        resolve_worker: Callable[[str], Any] | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -129,7 +130,10 @@ class Ingress:
             config.router, seed=router_seed, on_routed=self.routes.note if shared else None
         )
         self._scheduler = scheduler
-        self.slots = WorkerSlots(config, workers, self.router, self._dispatch, metrics)
+        # `resolve_worker(worker_id)`: the handle of a worker added while serving.
+        self.slots = WorkerSlots(
+            config, workers, self.router, self._dispatch, metrics, resolve=resolve_worker
+        )
         self.admission = Admission(config, self.router, self.slots, self.replica_id, metrics)
         self.fleet = FleetView(
             self.router, self.slots.apply, self.replica_id, on_abort=self._abort_here
@@ -185,9 +189,9 @@ class Ingress:
             # on the first request.
             self._prompts.tokenizer(pool)
         deadline = time.monotonic() + timeout_s
-        while not all(slot.alive for slot in self.slots.all()):
+        while not all(slot.alive or slot.draining for slot in self.slots.all()):
             if time.monotonic() > deadline:
-                missing = [s.worker_id for s in self.slots.all() if not s.alive]
+                missing = [s.worker_id for s in self.slots.all() if not (s.alive or s.draining)]
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {missing}")
             await asyncio.sleep(0.05)
 
@@ -369,7 +373,7 @@ class Ingress:
             slot.handle.abort_key.remote(key)
             for name in pools
             for slot in self.slots.pool(name)
-            if slot.alive
+            if slot.alive or slot.draining
         ]
         answers = await asyncio.gather(*calls, return_exceptions=True)
         if any(answer is True for answer in answers):
@@ -430,7 +434,8 @@ class Ingress:
                     await asyncio.wait(
                         {step, leaving}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED
                     )
-                    if not step.done() and (leaving.done() or not slot.alive):
+                    # (A draining worker is out of routing too, but finishes its streams.)
+                    if not step.done() and (leaving.done() or not (slot.alive or slot.draining)):
                         step.cancel()
                         raise WorkerLeftRouting(slot.worker_id)
                 item = step.result()

@@ -8,6 +8,7 @@ is where the client's experience is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -54,6 +55,12 @@ class _ReportCounter:
         if step > 0:
             child.inc(step)
         self._last[labels] = total
+
+    def forget(self, prefix: tuple[str, ...]) -> None:
+        """Drop every series whose labels start with `prefix` (a removed worker's)."""
+        for labels in [k for k in self._last if k[: len(prefix)] == prefix]:
+            del self._last[labels]
+            self._counter.remove(*labels)
 
 
 class _WaitQueueCollector:
@@ -243,6 +250,20 @@ class IngressMetrics:
 
     def mark_dead(self, pool: str, worker_id: str) -> None:
         self.worker_alive.labels(pool, worker_id).set(0)
+
+    def forget_worker(self, pool: str, worker_id: str) -> None:
+        """Remove every series of a worker removed from its pool (no stale 0s are left behind)."""
+        labels = (pool, worker_id)
+        for gauge in (*self._gauges.values(), self.worker_alive, self.index_drift):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        counters = (self._prefix_queries, self._prefix_hits, self._evictions, self._preemptions,
+                    self._tenant_cap_refusals, *self._offload.values())  # fmt: skip
+        for counter in counters:
+            counter.forget(labels)
+        for tenant in self._tenant_series.pop(labels, set()):
+            with contextlib.suppress(KeyError):
+                self._tenant_live.remove(*labels, tenant)
 
     def observe_request(
         self, pool: str, *, ttft_s: float | None, e2e_s: float, tpot_s: float | None

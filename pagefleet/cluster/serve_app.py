@@ -17,8 +17,12 @@ It starts what `pagefleet serve` starts, with the ports of the config's
 `server` section, as two deployments of one application:
 
 - `pagefleet-workers` (one replica): starts the scheduler actor(s) and the
-  worker actors (the same helpers as `start_cluster`) and owns them, so
-  `serve delete` / `serve shutdown` ends them with the application.
+  `Membership` actor, which starts the worker actors (the same helpers as
+  `start_cluster`), and owns them, so `serve delete` / `serve shutdown` ends
+  them with the application. Its `user_config` may set pool sizes:
+  `{pool_workers: {default: 3}}`; changing it and running `serve deploy`
+  again adds or removes workers while serving (Serve calls `reconfigure`, a
+  lightweight update that restarts nothing), as `pagefleet scale` does.
 - `pagefleet-ingress`: the same `IngressDeployment` as `pagefleet serve`
   (gRPC, OpenAI HTTP, /metrics), given the workers' handles by the owner.
   Its constructor returns once every worker has loaded its model, so Serve
@@ -27,6 +31,7 @@ It starts what `pagefleet serve` starts, with the ports of the config's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +46,12 @@ from pagefleet.cluster.app import (
     INGRESS_NAME,
     IngressDeployment,
     _start_schedulers,
-    _start_workers,
     ingress_options,
 )
 from pagefleet.cluster.config import ClusterConfig, ConfigError
+from pagefleet.cluster.membership import DEFAULT_ADD_TIMEOUT_S, describe_change, start_membership
+
+logger = logging.getLogger(__name__)
 
 WORKERS_NAME = "pagefleet-workers"
 DEFAULT_METRICS_PORT = 9400
@@ -60,17 +67,42 @@ class WorkerOwner:
     """
 
     def __init__(self, config: ClusterConfig) -> None:
-        namespace = ray.get_runtime_context().namespace
-        self.schedulers = _start_schedulers(config, namespace)
-        self.workers = _start_workers(config, namespace)
+        self.config = config
+        self.namespace = ray.get_runtime_context().namespace
+        self.schedulers = _start_schedulers(config, self.namespace)
+        self.membership = start_membership(config, self.namespace, self.schedulers)
 
-    def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
-        """`{pool: [(worker_id, actor handle), ...]}`."""
-        return self.workers
+    async def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
+        """`{pool: [(worker_id, actor handle), ...]}` now (an ingress replica starting later
+        gets the workers added since)."""
+        workers: dict[str, list[tuple[str, Any]]] = await self.membership.members.remote()
+        return workers
 
     def get_schedulers(self) -> tuple[Any, ...]:
         """The scheduler shards' actor handles (the ingress follows their views)."""
         return self.schedulers
+
+    def get_namespace(self) -> str:
+        """The Ray namespace of the worker actors (an ingress finds added workers there)."""
+        return self.namespace
+
+    async def reconfigure(self, user_config: Mapping[str, Any]) -> None:
+        """Serve's lightweight update: bring each pool named in `user_config["pool_workers"]`
+        to its size, adding workers or draining and removing the newest ones."""
+        sizes = parse_user_config(user_config, self.config)
+        for pool, workers in sizes.items():
+            try:
+                result = await self.membership.scale.remote(
+                    pool, workers, timeout_s=DEFAULT_ADD_TIMEOUT_S,
+                    drain_timeout_s=self.config.server.drain_timeout_s,
+                )
+            except Exception as exc:
+                # Not raised to Serve: a failed reconfigure may restart this replica, and
+                # every worker ends with it. The pool keeps the workers it has.
+                cause = getattr(exc, "cause", None) or exc
+                logger.error("pagefleet-workers: pool %s not brought to %d workers: %s", pool, workers, cause)
+                continue
+            logger.warning("pagefleet-workers: %s", describe_change(result))
 
 
 class ServeIngress(IngressDeployment):
@@ -85,6 +117,7 @@ class ServeIngress(IngressDeployment):
     ) -> None:
         workers = await owner.get_workers.remote()
         schedulers = await owner.get_schedulers.remote()
+        namespace = await owner.get_namespace.remote()
         await super().__init__(
             config,
             workers,
@@ -92,6 +125,7 @@ class ServeIngress(IngressDeployment):
             metrics_port,
             schedulers,
             http_port=config.server.http_port,
+            namespace=namespace,
         )
         await self.wait_ready(ready_timeout_s)
 
@@ -139,6 +173,35 @@ def parse_args(args: Mapping[str, Any]) -> BuildArgs:
     if resource is not None and (not isinstance(resource, str) or not resource):
         raise ValueError(f"pagefleet args.ingress_resource: must be a resource name, got {resource!r}")
     return BuildArgs(config, metrics_port, float(timeout), resource)
+
+
+def parse_user_config(user_config: Any, config: ClusterConfig) -> dict[str, int]:
+    """`{pool: workers}` from the `pagefleet-workers` deployment's `user_config`;
+    ValueError names the bad field."""
+    if user_config is None:
+        return {}
+    if not isinstance(user_config, Mapping):
+        raise ValueError(f"pagefleet-workers user_config must be a mapping, got {type(user_config).__name__}")
+    for key in user_config:
+        if key != "pool_workers":
+            raise ValueError(f"pagefleet-workers user_config.{key}: unknown field (known: pool_workers)")
+    sizes = user_config.get("pool_workers") or {}
+    if not isinstance(sizes, Mapping):
+        raise ValueError("pagefleet-workers user_config.pool_workers must map pool names to worker counts")
+    known = [p.name for p in config.pools]
+    out: dict[str, int] = {}
+    for pool, workers in sizes.items():
+        if pool not in known:
+            raise ValueError(
+                f"pagefleet-workers user_config.pool_workers.{pool}: unknown pool (pools: {', '.join(known)})"
+            )
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(
+                f"pagefleet-workers user_config.pool_workers.{pool}: must be an integer >= 1 "
+                f"(a pool keeps at least one worker), got {workers!r}"
+            )
+        out[str(pool)] = workers
+    return out
 
 
 def build_application(args: Mapping[str, Any]) -> Application:

@@ -5,6 +5,12 @@ latest load report as the view last said, and what this ingress replica alone
 knows exactly (requests it has in flight there). `WorkerSlots` applies each
 `WorkerDelta` of the view (`pagefleet.cluster.fleet_view.FleetView` feeds it)
 and answers "who is alive, how full is it" for admission and status.
+
+Membership follows the view too (`pagefleet.cluster.membership` adds and
+removes workers while serving): a worker of a configured pool that the view
+shows for the first time gets a slot here (its handle looked up by `resolve`),
+a draining one leaves routing while its streams finish, and a deregistered
+one (`gone`) loses its slot, its router entry and its metric series.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class WorkerSlot:
     node_id: str = ""
     report: LoadReport | None = None
     requests_routed: int = 0
+    # Being removed: out of routing, but the streams running there stay and finish.
+    draining: bool = False
     # Set when the worker leaves routing: streams running there stop waiting on it and
     # move. A fresh event each time it comes back.
     left: asyncio.Event = field(default_factory=asyncio.Event)
@@ -68,6 +76,8 @@ class WorkerSlots:
 
     `on_change(pool)` is called after a delta that may have made room in the
     pool (fresh load, a worker back): the ingress dispatches its wait queue.
+    `resolve(worker_id)` returns the actor handle of a worker that joined a
+    configured pool after start (None: such workers are ignored).
     """
 
     def __init__(
@@ -77,18 +87,18 @@ class WorkerSlots:
         router: Router,
         on_change: Callable[[str], None],
         metrics: IngressMetrics | None = None,
+        resolve: Callable[[str], Any] | None = None,
     ) -> None:
         self._router = router
         self._on_change = on_change
         self._metrics = metrics
+        self._resolve = resolve
         self._slots: dict[str, WorkerSlot] = {}
         self._pools: dict[str, list[WorkerSlot]] = {}
         for pool in config.pools:
             self._pools[pool.name] = []
             for worker_id, handle in workers.get(pool.name, ()):
-                slot = WorkerSlot(worker_id, pool.name, handle)
-                self._slots[worker_id] = slot
-                self._pools[pool.name].append(slot)
+                self._add(worker_id, pool.name, handle)
                 router.add_worker(worker_id, pool.name, block_size=pool.block_size)
                 # Out of routing until the scheduler's view has it (it may still be loading).
                 router.set_alive(worker_id, False)
@@ -96,6 +106,38 @@ class WorkerSlots:
         self._preemption_samples: dict[str, deque[tuple[float, int]]] = {
             pool.name: deque() for pool in config.pools
         }
+
+    def _add(self, worker_id: str, pool: str, handle: Any) -> WorkerSlot:
+        slot = WorkerSlot(worker_id, pool, handle)
+        self._slots[worker_id] = slot
+        self._pools[pool].append(slot)
+        return slot
+
+    def _join(self, delta: WorkerDelta) -> WorkerSlot | None:
+        """A slot for a worker the view shows for the first time (added while serving),
+        or None: not of a configured pool, or its actor cannot be found (yet)."""
+        info = delta.info
+        if self._resolve is None or info.pool not in self._pools:
+            return None  # a worker this deployment does not route to (another app's pool)
+        try:
+            handle = self._resolve(info.worker_id)
+        except Exception as exc:  # killed already, or not visible yet: a later delta retries
+            logger.warning("worker %s joined the view but has no actor: %s", info.worker_id, exc)
+            return None
+        logger.info("worker %s joined pool %s", info.worker_id, info.pool)
+        return self._add(info.worker_id, info.pool, handle)
+
+    def _forget(self, slot: WorkerSlot) -> None:
+        """A deregistered (removed) worker: no slot, no metric series; a stream still
+        waiting on it moves (it was killed, so its call fails anyway)."""
+        logger.info("worker %s left pool %s", slot.worker_id, slot.pool)
+        self._slots.pop(slot.worker_id, None)
+        self._pools[slot.pool].remove(slot)
+        slot.alive = False
+        slot.left.set()
+        self._router.remove_worker(slot.worker_id)
+        if self._metrics is not None:
+            self._metrics.forget_worker(slot.pool, slot.worker_id)
 
     def __getitem__(self, worker_id: str) -> WorkerSlot:
         return self._slots[worker_id]
@@ -112,16 +154,22 @@ class WorkerSlots:
         slot.alive = False
         slot.left.set()
         self._router.set_alive(slot.worker_id, False)
-        if self._metrics is not None:
-            self._metrics.mark_dead(slot.pool, slot.worker_id)
+        if self._metrics is not None and self._slots.get(slot.worker_id) is slot:
+            self._metrics.mark_dead(slot.pool, slot.worker_id)  # not for a removed one
 
     def apply(self, delta: WorkerDelta) -> None:
         """One worker's new state from the scheduler (the router already has it)."""
         slot = self._slots.get(delta.info.worker_id)
         if slot is None:
-            return  # a worker this deployment does not route to (another app's pool)
+            slot = None if delta.gone else self._join(delta)
+            if slot is None:
+                # The router took the worker from the same delta: without a slot (no
+                # handle) it must not be chosen. The next delta tries again.
+                self._router.set_alive(delta.info.worker_id, False)
+                return
         if delta.gone:
-            self.mark_dead(slot)
+            self._forget(slot)
+            self._on_change(slot.pool)  # waiting requests may now fail or fit elsewhere
             return
         slot.node_id = delta.info.node_id or slot.node_id
         if delta.report is not None and delta.report.supersedes(slot.report):
@@ -131,20 +179,26 @@ class WorkerSlots:
                 self._metrics.observe_report(delta.report)
         if self._metrics is not None:
             self._metrics.index_drift.labels(slot.pool, slot.worker_id).set(delta.drift_blocks)
-        if delta.alive and not slot.alive:
+        slot.draining = delta.draining
+        routable = delta.alive and not delta.draining
+        if routable and not slot.alive:
             slot.alive = True
             slot.left = asyncio.Event()
-        elif not delta.alive and slot.alive:
-            logger.warning(
-                "worker %s out of routing (%s)",
-                slot.worker_id, "hung: work but no progress" if delta.stalled else "no report in time",
-            )
+        elif not routable and slot.alive:
+            if delta.draining:
+                logger.info("worker %s draining: out of routing, its streams finish there", slot.worker_id)
+            else:
+                logger.warning(
+                    "worker %s out of routing (%s)",
+                    slot.worker_id,
+                    "hung: work but no progress" if delta.stalled else "no report in time",
+                )
             # No new requests go there. Its streams stay unless it is hung: a late
-            # report alone may be a slow scheduler or a busy machine, and a dead
-            # worker's streams fail over by themselves.
+            # report alone may be a slow scheduler or a busy machine, a draining
+            # worker finishes them, and a dead worker's streams fail over by themselves.
             slot.alive = False
-            if self._metrics is not None:
-                self._metrics.mark_dead(slot.pool, slot.worker_id)
+        if self._metrics is not None and not slot.alive:
+            self._metrics.mark_dead(slot.pool, slot.worker_id)  # after its report's 1
         if delta.stalled and not slot.left.is_set():
             slot.left.set()  # hung: its streams move now (see `Ingress._stream`)
         # Fresh load or a worker back: route waiting requests it has room for.
@@ -208,6 +262,7 @@ def worker_status(slot: WorkerSlot) -> dict[str, Any]:
         "worker_id": slot.worker_id,
         "pool": slot.pool,
         "alive": slot.alive,
+        "draining": slot.draining,
         "requests_routed": slot.requests_routed,
         "node_id": slot.node_id,
         "prefix_query_tokens": r.prefix_query_tokens if r else 0,

@@ -106,6 +106,12 @@ class SchedulerActor:
         self._wake()
         return found
 
+    async def set_draining(self, worker_id: str, draining: bool = True) -> bool:
+        """Take a worker out of routing before its removal (its streams finish); False if unknown."""
+        found = self._state.set_draining(worker_id, draining)
+        self._wake()
+        return found
+
     async def push(self, worker_id: str, report: bytes, kv_events: bytes) -> ReportAck:
         """Accept one push of a worker: its msgpack LoadReport and KVEventBatch.
 

@@ -67,6 +67,7 @@ class WorkerView:
     stalled: bool = False
     num_cached_hashes: int = 0
     drift_blocks: int = 0
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -106,7 +107,8 @@ class WorkerDelta:
     likewise `offload_stored` / `offload_removed` for its offload tier.
     `reset`: the delta is part of a snapshot (`stored` is everything the
     worker holds; the subscriber cleared its index first). `gone`: the worker
-    was deregistered; forget it.
+    was deregistered; forget it. `draining`: the worker is being removed; it
+    takes no new request, and the streams it runs finish there.
     """
 
     info: WorkerInfo
@@ -125,6 +127,7 @@ class WorkerDelta:
     # as speculative, `Router.note_routed_elsewhere`). Never part of a snapshot.
     routed: tuple[bytes, ...] = ()
     routed_by: str = ""
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class PushResult:
 class _Entry:
     __slots__ = (
         "checked_at",
+        "draining",
         "drift_blocks",
         "duplicated_at",
         "duplicated_sent",
@@ -204,6 +208,7 @@ class _Entry:
         self.has_work = False
         self.published_alive = True
         self.published_stalled = False
+        self.draining = False  # being removed: out of routing, its streams finish
         # As the worker last heard it; a worker starts (and registers) with none.
         self.duplicated_sent: frozenset[bytes] = frozenset()
         self.duplicated_at = -float("inf")
@@ -291,6 +296,21 @@ class ClusterState:
             return False
         self._count(entry, (), tuple(entry.hashes))
         self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
+        return True
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> bool:
+        """Take a worker out of routing for its removal (or back in); False if unknown.
+
+        A draining worker stays registered and keeps reporting, so the streams it
+        runs finish there; no request is routed or migrated to it, and it keeps
+        no prefix for others (`duplicated_hashes`).
+        """
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return False
+        if entry.draining != draining:
+            entry.draining = draining
+            self._publish(entry)
         return True
 
     # ----- pushes ---------------------------------------------------------
@@ -457,7 +477,7 @@ class ClusterState:
         for wid, e in self._workers.items():
             if not shared:
                 break
-            if e.info.pool == pool and _keeper_rank(wid) > mine and self._alive(e, now):
+            if e.info.pool == pool and _keeper_rank(wid) > mine and self._routable(e, now):
                 kept = shared & e.hashes  # set operations: C speed, the smaller side walked
                 out |= kept
                 shared -= kept
@@ -509,7 +529,7 @@ class ClusterState:
             e.report
             for e in self._workers.values()
             if e is not entry and e.info.pool == entry.info.pool
-            and e.report is not None and self._alive(e, now)
+            and e.report is not None and self._routable(e, now)
         ]
         move = choose_migration(
             entry.report, targets, entry.info.block_size, policy,
@@ -538,6 +558,10 @@ class ClusterState:
 
     def _alive(self, entry: _Entry, now: float) -> bool:
         return now - entry.last_seen <= self.report_timeout_s and not self._stalled(entry, now)
+
+    def _routable(self, entry: _Entry, now: float) -> bool:
+        """Alive and not draining: may take new work (a request, a migration, a kept prefix)."""
+        return not entry.draining and self._alive(entry, now)
 
     def tick(self) -> int:
         """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
@@ -590,7 +614,7 @@ class ClusterState:
         workers = tuple(
             WorkerView(
                 e.info, self._alive(e, now), e.report, e.last_seen, self._stalled(e, now),
-                len(e.hashes), e.drift_blocks,
+                len(e.hashes), e.drift_blocks, e.draining,
             )
             for e in self._workers.values()
         )
@@ -665,7 +689,7 @@ class ClusterState:
             WorkerDelta(
                 entry.info, entry.published_alive, entry.report,
                 stalled=entry.published_stalled, drift_blocks=entry.drift_blocks,
-                routed=hashes, routed_by=replica_id,
+                routed=hashes, routed_by=replica_id, draining=entry.draining,
             )
         )
         self.route_notes += 1
@@ -693,7 +717,7 @@ class ClusterState:
         deltas = tuple(
             WorkerDelta(
                 e.info, self._alive(e, now), e.report, tuple(e.hashes), (), True, False,
-                self._stalled(e, now), e.drift_blocks, tuple(e.offloaded),
+                self._stalled(e, now), e.drift_blocks, tuple(e.offloaded), draining=e.draining,
             )
             for e in self._workers.values()
         )
@@ -715,6 +739,7 @@ class ClusterState:
             WorkerDelta(
                 entry.info, alive, entry.report, stored, removed, False, False,
                 self._stalled(entry, now), entry.drift_blocks, offload_stored, offload_removed,
+                draining=entry.draining,
             )
         )
 

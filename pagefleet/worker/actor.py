@@ -155,6 +155,8 @@ class WorkerActor:
             "pid": os.getpid(),
             "block_size": self._block_size,
             "total_blocks": int(stats.get("total", stats.get("total_blocks", 0))),
+            # Streams open now (running or queued): a removal waits for 0 before the kill.
+            "active_streams": len(self._active),
         }
 
     async def stats(self) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class WorkerStatus(_message.Message):
     __slots__ = (
         "alive",
         "cached_blocks",
+        "draining",
         "free_blocks",
         "hit_rate",
         "live_blocks",
@@ -201,6 +202,7 @@ class WorkerStatus(_message.Message):
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -217,6 +219,7 @@ class WorkerStatus(_message.Message):
     requests_routed: int
     node_id: str
     migrations_out: int
+    draining: bool
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -235,6 +238,7 @@ class WorkerStatus(_message.Message):
         requests_routed: int | None = ...,
         node_id: str | None = ...,
         migrations_out: int | None = ...,
+        draining: bool | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):

@@ -1,0 +1,377 @@
+"""Add and remove workers of a pool while serving.
+
+`Membership` owns a deployment's worker actors: it starts the configured
+ones, adds workers to a pool and removes them with a drain. It runs as the
+named Ray actor `pagefleet-membership` (namespace `pagefleet`), created by
+`start_cluster` (`pagefleet serve`) or by the Serve application's
+`WorkerOwner` deployment; each owns it, and it owns the workers, so they end
+with their owner as before. `pagefleet scale` and the `WorkerOwner`'s
+`user_config` (`reconfigure`) both call it.
+
+Adding a worker: a fresh id (`<pool>-<n>`, n counting up, never reused by
+this owner, so a removed worker's id never names another process), created
+with the same options as the configured ones. It joins routing by the
+ordinary path: its first push registers it with the scheduler, the view
+reports it, and every ingress replica creates a slot for it and routes to it
+once it is alive. A worker Ray cannot place (or that does not load) within
+`timeout_s` is killed and reported, with the resources it asked for and what
+the cluster has free.
+
+Removing a worker: the scheduler marks it draining, so every replica takes it
+out of routing (no new request or migration goes there) while its streams
+finish there; once it has had no stream for `SETTLE_S` (a stream already on
+its way there arrives meanwhile), or at `drain_timeout_s`, it is killed
+without restart (streams still running then fail over by recompute, as after
+a worker death); once Ray reports it dead, the scheduler forgets it (its
+index entries go), and the `gone` delta makes every replica drop its slot,
+router entry and metric series. The last worker of a pool is never removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from pagefleet.cluster.config import (
+    DEFAULT_WORKER_ADD_TIMEOUT_S,
+    DEFAULT_WORKER_DRAIN_TIMEOUT_S,
+    ClusterConfig,
+    PoolConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+MEMBERSHIP_NAME = "pagefleet-membership"
+# Logical CPUs a CPU-only worker asks Ray for: two workers fit a 2-core laptop
+# next to the ingress and the scheduler (which ask for none).
+CPU_WORKER_NUM_CPUS = 0.5
+DEFAULT_ADD_TIMEOUT_S = DEFAULT_WORKER_ADD_TIMEOUT_S
+DEFAULT_DRAIN_TIMEOUT_S = DEFAULT_WORKER_DRAIN_TIMEOUT_S
+# A draining worker must be idle this long before the kill: a request routed just
+# before a replica saw the draining delta arrives meanwhile and runs there.
+SETTLE_S = 1.0
+POLL_S = 0.2
+JOIN_TIMEOUT_S = 30.0  # from "loaded" to "in the scheduler's view, alive"
+
+
+class MembershipError(ValueError):
+    """A scale or remove request that cannot be carried out; the message says why."""
+
+
+def worker_actor_name(worker_id: str) -> str:
+    """The named Ray actor of a worker."""
+    return f"pagefleet-worker-{worker_id}"
+
+
+def worker_resources(pool: PoolConfig, cluster_gpus: float) -> tuple[float, float]:
+    """(num_cpus, num_gpus) one worker of `pool` asks Ray for."""
+    if pool.num_gpus_per_worker is not None:
+        num_gpus = pool.num_gpus_per_worker
+    elif pool.device == "cpu":
+        num_gpus = 0.0
+    else:
+        num_gpus = 1.0 if cluster_gpus > 0 else 0.0
+    return (1.0 if num_gpus > 0 else CPU_WORKER_NUM_CPUS), num_gpus
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    handle: Any
+    draining: bool = False
+
+
+class Membership:
+    """The workers of every pool of one deployment; see the module docstring.
+
+    `schedulers` are the scheduler shards' handles (the shard owning a pool
+    marks its workers draining and forgets removed ones). A plain class:
+    `start_membership` makes it the named async actor.
+    """
+
+    def __init__(self, config: ClusterConfig, namespace: str, schedulers: tuple[Any, ...]) -> None:
+        from pagefleet.scheduler.actor import shard_actor_name
+
+        self._config = config
+        self._namespace = namespace
+        self._schedulers = schedulers
+        self._shards = config.scheduler_shards()
+        self._scheduler_names = {p: shard_actor_name(s) for p, s in self._shards.items()}
+        self._cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+        self._members: dict[str, list[_Member]] = {pool.name: [] for pool in config.pools}
+        self._next_index = {pool.name: 0 for pool in config.pools}
+        self._lock = asyncio.Lock()  # one membership change at a time
+        for pool in config.pools:
+            for _ in range(pool.workers):
+                self._create(pool)
+
+    # ----- queries --------------------------------------------------------
+
+    def members(self) -> dict[str, list[tuple[str, Any]]]:
+        """`{pool: [(worker_id, actor handle), ...]}`, draining workers included."""
+        return {pool: [(m.worker_id, m.handle) for m in ms] for pool, ms in self._members.items()}
+
+    def namespace(self) -> str:
+        """The Ray namespace of the worker and scheduler actors."""
+        return self._namespace
+
+    def sizes(self) -> dict[str, int]:
+        """Workers per pool that serve (draining ones not counted)."""
+        return {pool: sum(not m.draining for m in ms) for pool, ms in self._members.items()}
+
+    # ----- changes --------------------------------------------------------
+
+    async def scale(
+        self,
+        pool: str,
+        workers: int,
+        timeout_s: float = DEFAULT_ADD_TIMEOUT_S,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """Bring `pool` to `workers` serving workers: add new ones (each loaded and in the
+        view before this returns) or remove the newest ones (drained first).
+
+        Returns `{"pool", "added", "removed", "failed_over", "workers"}`; raises
+        MembershipError for a bad request or a worker that could not be started.
+        """
+        cfg = self._pool(pool)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise MembershipError(
+                f"pool {pool!r}: workers must be an integer >= 1 (a pool keeps at least one), got {workers!r}"
+            )
+        async with self._lock:
+            serving = [m for m in self._members[pool] if not m.draining]
+            added: list[str] = []
+            removed: list[str] = []
+            failed_over = 0
+            if workers > len(serving):
+                results = await asyncio.gather(
+                    *(self._add(cfg, timeout_s) for _ in range(workers - len(serving))),
+                    return_exceptions=True,
+                )
+                added = [r for r in results if isinstance(r, str)]
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    done = f" (added {', '.join(added)})" if added else ""
+                    raise MembershipError(f"{errors[0]}{done}")
+            elif workers < len(serving):
+                victims = serving[workers:][::-1]  # the newest first
+                counts = await asyncio.gather(*(self._remove(pool, m, drain_timeout_s) for m in victims))
+                removed, failed_over = [m.worker_id for m in victims], sum(counts)
+            return self._result(pool, added, removed, failed_over)
+
+    async def remove(self, worker_id: str, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> dict[str, Any]:
+        """Drain and remove one worker; refused for the last serving worker of its pool."""
+        async with self._lock:
+            found = [(p, m) for p, ms in self._members.items() for m in ms if m.worker_id == worker_id]
+            if not found:
+                known = [m.worker_id for ms in self._members.values() for m in ms]
+                raise MembershipError(f"unknown worker {worker_id!r} (workers: {', '.join(known)})")
+            pool, member = found[0]
+            ms = self._members[pool]
+            if member.draining:
+                raise MembershipError(f"worker {worker_id!r} is being removed already")
+            serving = [m.worker_id for m in ms if not m.draining]
+            if serving == [worker_id]:
+                raise MembershipError(
+                    f"worker {worker_id!r} is the last worker of pool {pool!r}; a pool keeps at least "
+                    f"one: add another first (pagefleet scale --pool {pool} --workers 2)"
+                )
+            failed_over = await self._remove(pool, member, drain_timeout_s)
+            return self._result(pool, [], [worker_id], failed_over)
+
+    # ----- internals ------------------------------------------------------
+
+    def _pool(self, name: str) -> PoolConfig:
+        try:
+            return self._config.pool(name)
+        except KeyError:
+            known = ", ".join(p.name for p in self._config.pools)
+            raise MembershipError(f"unknown pool {name!r} (pools: {known})") from None
+
+    def _result(self, pool: str, added: list[str], removed: list[str], failed_over: int) -> dict[str, Any]:
+        return {
+            "pool": pool,
+            "added": added,
+            "removed": removed,
+            "failed_over": failed_over,
+            "workers": [m.worker_id for m in self._members[pool] if not m.draining],
+        }
+
+    def _create(self, pool: PoolConfig) -> _Member:
+        from pagefleet.worker.actor import create_worker
+        from pagefleet.worker.config import EngineConfig
+
+        num_cpus, num_gpus = worker_resources(pool, self._cluster_gpus)
+        engine_config = EngineConfig(
+            **pool.engine_kwargs(device="cuda" if num_gpus else "cpu"),
+            tenant_max_live_blocks=self._config.tenant_block_caps(),
+        )
+        worker_id = f"{pool.name}-{self._next_index[pool.name]}"
+        self._next_index[pool.name] += 1
+        handle = create_worker(
+            worker_id,
+            pool.name,
+            engine_config,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            name=worker_actor_name(worker_id),
+            namespace=self._namespace,
+            report_interval_s=self._config.scheduler.report_interval_s,
+            scheduler_name=self._scheduler_names[pool.name],
+            torch_threads=max(1, int(num_cpus)) if not num_gpus else None,
+            scheduling_strategy="SPREAD",
+        )
+        member = _Member(worker_id, handle)
+        self._members[pool.name].append(member)
+        return member
+
+    async def _add(self, pool: PoolConfig, timeout_s: float) -> str:
+        """Start one worker and return its id once it is loaded and alive in the view."""
+        member = self._create(pool)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(member.handle.info.remote(), timeout_s)
+        except (asyncio.TimeoutError, GetTimeoutError, RayActorError) as exc:
+            self._members[pool.name].remove(member)
+            ray.kill(member.handle, no_restart=True)
+            raise MembershipError(self._not_started(pool, member.worker_id, timeout_s, exc)) from exc
+        scheduler = self._scheduler_of(pool.name)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            view = await scheduler.get_view.remote()
+            if any(w.worker_id == member.worker_id and w.alive for w in view.workers):
+                break
+            await asyncio.sleep(POLL_S)
+        else:
+            logger.warning("worker %s loaded but not alive in the view yet", member.worker_id)
+        logger.info(
+            "pool %s: added worker %s in %.1fs", pool.name, member.worker_id, time.monotonic() - started
+        )
+        return member.worker_id
+
+    def _not_started(self, pool: PoolConfig, worker_id: str, timeout_s: float, exc: BaseException) -> str:
+        num_cpus, num_gpus = worker_resources(pool, self._cluster_gpus)
+        free = ray.available_resources()
+        if isinstance(exc, RayActorError):
+            return f"worker {worker_id} of pool {pool.name!r} failed to start: {exc}"
+        return (
+            f"worker {worker_id} of pool {pool.name!r} did not start within {timeout_s:g}s: it asks "
+            f"Ray for {num_cpus:g} CPU and {num_gpus:g} GPU, the cluster has "
+            f"{free.get('CPU', 0.0):g} CPU and {free.get('GPU', 0.0):g} GPU free (no room: add a node "
+            "or shrink another pool; room: its model is still loading, allow a longer timeout); "
+            "it was not added"
+        )
+
+    def _scheduler_of(self, pool: str) -> Any:
+        return self._schedulers[self._shards[pool]]
+
+    async def _remove(self, pool: str, member: _Member, drain_timeout_s: float) -> int:
+        """Drain, kill and forget one worker; returns how many streams had to fail over."""
+        scheduler = self._scheduler_of(pool)
+        member.draining = True
+        started = time.monotonic()
+        await scheduler.set_draining.remote(member.worker_id, True)
+        active = await self._drain(member, scheduler, drain_timeout_s)
+        ray.kill(member.handle, no_restart=True)
+        # Only once it is dead may the scheduler forget it: a push of a live process
+        # would register it again.
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(member.handle.info.remote(), 5.0)
+            except RayActorError:
+                break
+            except (asyncio.TimeoutError, GetTimeoutError):
+                pass
+            await asyncio.sleep(POLL_S)
+        await scheduler.deregister_worker.remote(member.worker_id)
+        self._members[pool].remove(member)
+        logger.info(
+            "pool %s: removed worker %s in %.1fs (%d streams failed over)",
+            pool, member.worker_id, time.monotonic() - started, active,
+        )
+        return active
+
+    async def _drain(self, member: _Member, scheduler: Any, timeout_s: float) -> int:
+        """Wait until the worker has had no stream for SETTLE_S, at most `timeout_s`;
+        returns the streams still open at the end (0 when it drained)."""
+        deadline = time.monotonic() + timeout_s
+        idle_since: float | None = None
+        active = 0
+        while True:
+            # Said again on every poll (a no-op when unchanged): a restarted scheduler
+            # starts with no draining mark and would route to the worker again.
+            with contextlib.suppress(Exception):
+                await scheduler.set_draining.remote(member.worker_id, True)
+            now = time.monotonic()
+            try:
+                info = await asyncio.wait_for(member.handle.info.remote(), max(1.0, deadline - now))
+            except RayActorError:
+                return 0  # died meanwhile: its streams failed over already
+            except (asyncio.TimeoutError, GetTimeoutError):
+                return active
+            active = int(info.get("active_streams", 0))
+            now = time.monotonic()
+            if active == 0:
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= SETTLE_S:
+                    return 0
+            else:
+                idle_since = None
+            if now >= deadline:
+                return active
+            await asyncio.sleep(POLL_S)
+
+
+def describe_change(result: dict[str, Any]) -> str:
+    """One line: what changed in the pool and who serves it now."""
+    changes = []
+    if result["added"]:
+        changes.append(f"added {', '.join(result['added'])}")
+    if result["removed"]:
+        moved = f" ({result['failed_over']} streams failed over)" if result["failed_over"] else ""
+        changes.append(f"removed {', '.join(result['removed'])}{moved}")
+    done = "; ".join(changes) or "no change"
+    return f"pool {result['pool']}: {done}; workers: {', '.join(result['workers'])}"
+
+
+def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[Any, ...]) -> Any:
+    """Create the named `Membership` actor (it starts the configured workers) and return its handle.
+
+    On the head node, like the ingress: losing a worker node must not take the
+    workers' owner with it. Not restartable: a new one would start a second set
+    of workers; its owner (the `pagefleet serve` driver or the `WorkerOwner`
+    replica) ends with it anyway.
+    """
+    from pagefleet.cluster.app import HEAD_NODE_RESOURCE, NAMESPACE
+
+    actor = ray.remote(Membership).options(
+        name=MEMBERSHIP_NAME,
+        namespace=NAMESPACE,
+        num_cpus=0,
+        max_restarts=0,
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    )
+    return actor.remote(config, namespace, schedulers)
+
+
+def get_membership() -> Any:
+    """The running deployment's `Membership` actor; MembershipError when none runs."""
+    from pagefleet.cluster.app import NAMESPACE
+
+    try:
+        return ray.get_actor(MEMBERSHIP_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise MembershipError(
+            f"no pagefleet deployment on this Ray cluster (no actor {MEMBERSHIP_NAME!r} in "
+            f"namespace {NAMESPACE!r}); start one with `pagefleet serve` or `serve run`"
+        ) from None
+

@@ -1,0 +1,195 @@
+"""Adding and removing workers of a pool while it serves, on a real local Ray (issue 11).
+
+One cluster for the module: pool "default" starts with 1 CPU worker, routed
+round robin so new requests spread over every live worker. The tests run in
+order, each starting from the pool the previous one left: two workers added
+while a stream runs, a removal that drains a stream, a removal whose drain
+times out, refusals, and a worker Ray cannot place. After every test each
+remaining worker has no live block and free + cached == total.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from cluster_fixtures import (
+    MAX_MODEL_LEN,
+    generate,
+    offline_tiny,
+    open_stream,
+    pool_status,
+    small_cluster_config,
+    tokens_of,
+    wait_for,
+)
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from pagefleet import LLM, SamplingParams
+from pagefleet.cli import main
+from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.proto import pagefleet_pb2 as pb
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
+SAMPLING = {"max_tokens": 60, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RunningCluster]:
+    running = start_cluster(small_cluster_config(workers=1, policy="round_robin"), grpc_port=0)
+    try:
+        yield running
+    finally:
+        running.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return offline_tiny()
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
+    """After every test: on every worker of the pool no live block, free + cached == total."""
+    yield
+
+    def clean() -> bool:
+        for _, handle in cluster.workers["default"]:
+            s = ray.get(handle.stats.remote(), timeout=30)
+            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+                return False
+        return True
+
+    wait_for(clean, 60, "every worker with free + cached == total and no live blocks", 0.2)
+    for _, handle in cluster.workers["default"]:
+        ray.get(handle.check_integrity.remote(), timeout=30)
+
+
+def _scale(cluster: RunningCluster, workers: int, timeout_s: float = 180.0) -> dict[str, Any]:
+    return dict(ray.get(cluster.membership.scale.remote("default", workers, timeout_s, 30.0), timeout=300))
+
+
+def _workers(cluster: RunningCluster) -> dict[str, pb.WorkerStatus]:
+    return {w.worker_id: w for w in pool_status(cluster.grpc_target).workers}
+
+
+def _want(offline: LLM, prompt: str) -> list[int]:
+    return list(offline.generate(prompt, SamplingParams(**SAMPLING))[0].token_ids)
+
+
+def _metric_workers(cluster: RunningCluster) -> set[str]:
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=30).text
+    return {
+        line.split('worker="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith("kv_blocks_total{")
+    }
+
+
+ALL = {"default-0", "default-1", "default-2"}
+
+
+def test_workers_added_while_a_stream_runs_join_routing(cluster: RunningCluster, offline: LLM) -> None:
+    channel, stream = open_stream(cluster.grpc_target, "A stream while the pool grows", **SAMPLING)
+    with channel:
+        first = next(stream)
+        result = _scale(cluster, 3)
+        assert result["added"] == ["default-1", "default-2"] and result["workers"] == sorted(ALL)
+        wait_for(lambda: sum(w.alive for w in _workers(cluster).values()) == 3, 30, "three live workers")
+        # Round robin: new requests now go to every worker, the new ones included.
+        routed = {generate(cluster.grpc_target, f"spread {i}", max_tokens=2)[-1].worker_id for i in range(6)}
+        assert routed == ALL
+        rest = list(stream)
+    assert tokens_of([first, *rest]) == _want(offline, "A stream while the pool grows")
+    assert {m.worker_id for m in [first, *rest] if m.token_ids} == {"default-0"}
+    assert pool_status(cluster.grpc_target).live_workers == 3
+    wait_for(lambda: _metric_workers(cluster) == ALL, 30, "metrics of every worker")
+
+
+def test_a_removed_worker_drains_its_stream_then_leaves_every_view(
+    cluster: RunningCluster, offline: LLM
+) -> None:
+    prompt = "A stream on the worker being removed"
+    channel, stream = open_stream(cluster.grpc_target, prompt, **SAMPLING)
+    with channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = next(stream)
+        victim = first.worker_id
+        survivors = set(_workers(cluster)) - {victim}
+        removal = pool.submit(lambda: ray.get(cluster.membership.remove.remote(victim, 60.0), timeout=120))
+        wait_for(lambda: _workers(cluster)[victim].draining, 30, f"{victim} draining")
+        assert not _workers(cluster)[victim].alive
+        # Out of routing: new requests go to the survivors only, while the stream goes on.
+        routed = {generate(cluster.grpc_target, f"drain {i}", max_tokens=2)[-1].worker_id for i in range(4)}
+        assert routed == survivors
+        rest = list(stream)
+        result = removal.result(timeout=120)
+    messages = [first, *rest]
+    # Finished where it ran: no failover, no lost token, the offline greedy output.
+    assert tokens_of(messages) == _want(offline, prompt)
+    assert {m.worker_id for m in messages if m.token_ids} == {victim}
+    assert messages[-1].finish_reason == "length"
+    assert result["removed"] == [victim] and result["failed_over"] == 0
+    assert set(result["workers"]) == survivors
+    wait_for(lambda: set(_workers(cluster)) == survivors, 30, f"{victim} gone from GetStatus")
+    view = ray.get(cluster.scheduler.get_view.remote(), timeout=30)
+    assert {w.worker_id for w in view.workers} == survivors
+    with pytest.raises(ValueError):
+        ray.get_actor(f"pagefleet-worker-{victim}", namespace="pagefleet")
+    wait_for(lambda: _metric_workers(cluster) == survivors, 30, "the removed worker's metrics gone")
+
+
+def test_a_removal_past_its_drain_timeout_fails_the_stream_over_by_recompute(
+    cluster: RunningCluster, offline: LLM
+) -> None:
+    prompt = "A stream that outlasts the drain timeout"
+    channel, stream = open_stream(cluster.grpc_target, prompt, **SAMPLING)
+    with channel:
+        first = next(stream)
+        victim = first.worker_id
+        result = ray.get(cluster.membership.remove.remote(victim, 0.5), timeout=120)
+        rest = list(stream)
+    messages = [first, *rest]
+    assert result["removed"] == [victim] and result["failed_over"] == 1
+    assert tokens_of(messages) == _want(offline, prompt)
+    assert messages[-1].finish_reason == "length" and messages[-1].worker_id != victim
+    wait_for(lambda: victim not in _workers(cluster), 30, f"{victim} gone from GetStatus")
+    assert len(tokens_of(messages)) == SAMPLING["max_tokens"] < MAX_MODEL_LEN
+
+
+def test_removing_the_last_worker_is_refused_and_it_keeps_serving(
+    cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (last,) = _workers(cluster)
+    assert main(["scale", "--remove", last]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagefleet scale: error: ") and "\n" not in err
+    assert f"{last!r} is the last worker of pool 'default'" in err
+    assert main(["scale", "--pool", "default", "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
+    assert main(["scale", "--pool", "nope", "--workers", "2"]) == 2
+    assert "unknown pool 'nope' (pools: default)" in capsys.readouterr().err
+    assert generate(cluster.grpc_target, "still serving", max_tokens=2)[-1].worker_id == last
+
+
+def test_a_worker_ray_cannot_place_is_reported_and_its_id_never_reused(
+    cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    free = ray.available_resources().get("CPU", 0.0)
+    hog = placement_group([{"CPU": free}])  # every free CPU: a new worker cannot be placed
+    ray.get(hog.ready(), timeout=60)
+    try:
+        assert main(["scale", "--pool", "default", "--workers", "2", "--timeout", "3"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err
+        assert "did not start within 3s: it asks Ray for 0.5 CPU and 0 GPU" in err
+        assert "it was not added" in err
+    finally:
+        remove_placement_group(hog)
+    # Its id was new (default-1 and default-2 were removed before): ids are never reused.
+    assert "worker default-3 of pool 'default'" in err
+    assert len(_workers(cluster)) == 1 and pool_status(cluster.grpc_target).live_workers == 1
