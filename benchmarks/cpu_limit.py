@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefleet.kernels.dispatch import BACKEND_ENV
+from pagefleet.worker.config import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
@@ -372,10 +373,11 @@ def f32_gguf(gguf: Path) -> Path:
 # --------------------------------------------------------------------- pagefleet
 
 
-def make_llm(model: str, num_seqs: int) -> Any:
+def make_llm(model: str, num_seqs: int, kv_cache_dtype: str = "auto") -> Any:
     from pagefleet import LLM
 
-    return LLM(model=model, block_size=BLOCK_SIZE, max_num_seqs=max(num_seqs, 64))
+    return LLM(model=model, block_size=BLOCK_SIZE, max_num_seqs=max(num_seqs, 64),
+               kv_cache_dtype=kv_cache_dtype)
 
 
 def pagefleet_run(
@@ -516,6 +518,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also run pagefleet on the padded reference attention (the oracle)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
+                        help="pagefleet's KV cache dtype; more than one: each in every round "
+                        "(the first is the 'pagefleet' row the ratios use), greedy outputs "
+                        "compared with the first's")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["padded", "sequential", "generate_batch", *LLAMA_VARIANTS,
                                  "breakdown"])
@@ -565,9 +571,15 @@ def main() -> None:
                 f32 = f32_gguf(gguf) if any(LLAMA_VARIANTS[k][1] for k in wanted) else gguf
                 llama = {k: f32 if LLAMA_VARIANTS[k][1] else gguf for k in wanted}
 
-    llm = make_llm(args.model, len(prompts))
+    llm = make_llm(args.model, len(prompts), args.kv_cache_dtype[0])
     chunk = llm.engine.config.max_num_batched_tokens
     pagefleet_run(llm, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)  # warm-up
+    # Further KV cache dtypes: their own engine each, run right after the first in every round.
+    variants = {f"pagefleet kv {d}": make_llm(args.model, len(prompts), d)
+                for d in dict.fromkeys(args.kv_cache_dtype[1:])}
+    variant_outs: dict[str, list[list[int]]] = {}
+    for other in variants.values():
+        pagefleet_run(other, [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)
     times: dict[str, list[Timing]] = defaultdict(list)
     outs: list[list[int]] = []
     llama_outs: dict[str, list[list[int]]] = {}
@@ -578,6 +590,9 @@ def main() -> None:
         times["floor decode"].append(decode)
         timing, outs = pagefleet_run(llm, prompts, n_out)
         times["pagefleet"].append(timing)
+        for key, other in variants.items():
+            timing, variant_outs[key] = pagefleet_run(other, prompts, n_out)
+            times[key].append(timing)
         if args.compare_attention:
             os.environ[BACKEND_ENV] = "torch"  # read at every call: this run only
             try:
@@ -617,7 +632,8 @@ def main() -> None:
     best_pf = min(t.cpu for t in times["pagefleet"])
     names = {
         "floor": "dense-layer floor (matmuls only)",
-        "pagefleet": "pagefleet LLM.generate",
+        "pagefleet": f"pagefleet LLM.generate (kv_cache_dtype {args.kv_cache_dtype[0]})",
+        **{k: f"pagefleet, kv_cache_dtype {k.rsplit(' ', 1)[1]}" for k in variants},
         "pagefleet_reference": "pagefleet, padded reference attention",
         "padded": "HF generate, padded batch",
         "generate_batch": "transformers generate_batch",
@@ -641,10 +657,19 @@ def main() -> None:
     print(f"\nfloor: prefill {fp.cpu:.2f} CPU s ({sum(lens)} tokens in chunks of {chunk}), "
           f"decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
     print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor (CPU time)")
-    for key in ("pagefleet_reference", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS):
+    peers = ("pagefleet_reference", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS)
+    for key in peers:
         if times[key]:
             ratio = min(t.cpu for t in times[key]) / best_pf
             print(f"pagefleet vs {names[key]}: {ratio:.2f}x throughput")
+    for variant in variants:
+        best = min(t.cpu for t in times[variant])
+        print(f"{names[variant]}: {best / floor:.2f}x the dense-layer floor, "
+              f"{best_pf / best:.2f}x the throughput of kv_cache_dtype {args.kv_cache_dtype[0]}")
+        for key in peers:
+            if times[key]:
+                ratio = min(t.cpu for t in times[key]) / best
+                print(f"  vs {names[key]}: {ratio:.2f}x throughput")
     if "breakdown" not in args.skip:
         common.print_table(
             f"pagefleet breakdown (one instrumented run, {t_instr.cpu:.2f} CPU s)",
@@ -657,6 +682,14 @@ def main() -> None:
               f"(float32: only a near-tie of HF's top-2 logits may differ)")
         for line in divergences:
             print(line)
+    for key, theirs in variant_outs.items():
+        equal = sum(a == b for a, b in zip(outs, theirs, strict=True))
+        tokens = sum(x != y for a, b in zip(outs, theirs, strict=True) for x, y in zip(a, b, strict=True))
+        firsts = [next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+                  for a, b in zip(outs, theirs, strict=True) if a != b]
+        print(f"greedy outputs of {names[key]} equal to kv_cache_dtype {args.kv_cache_dtype[0]}: "
+              f"{equal}/{len(outs)}; {tokens} of {len(outs) * n_out} tokens differ; first "
+              f"differences at output tokens {sorted(firsts)}")
     for key, theirs in llama_outs.items():
         equal = sum(a == b for a, b in zip(outs, theirs, strict=True))
         print(f"greedy outputs equal to {names[key]}: {equal}/{len(outs)}")

@@ -112,10 +112,42 @@ def build_tiny_hf_model(
     return out_dir
 
 
-def load_hf_reference(model_dir: Path, dtype: torch.dtype = torch.float64) -> PreTrainedModel:
-    """Load `model_dir` as plain HF (SDPA attention, ordinary cache) for reference outputs."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+def load_hf_reference(
+    model_dir: Path, dtype: torch.dtype = torch.float64, kv_dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """Load `model_dir` as plain HF (SDPA attention, ordinary cache) for reference outputs.
+
+    `kv_dtype` (e.g. float16) rounds every key and value through that dtype before
+    SDPA reads them, in the model dtype: the contiguous twin of a paged engine whose
+    `kv_cache_dtype` stores K/V in it.
+    """
+    attention = "sdpa"
+    if kv_dtype is not None:
+        attention = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
+        _register_rounded_sdpa(attention, kv_dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
     return model.eval()
+
+
+def _register_rounded_sdpa(name: str, kv_dtype: torch.dtype) -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def rounded(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        key = key.to(kv_dtype).to(query.dtype)
+        value = value.to(kv_dtype).to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, rounded)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_limit.py"
 @pytest.mark.slow
 def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--threads", "1"],
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--kv-cache-dtype", "auto", "float16"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -23,3 +23,5 @@ def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
     assert "pagefleet vs HF generate, padded batch" in out
     assert "attention (KV write + paged attention)" in out
     assert "greedy outputs equal to HF one-at-a-time" in out
+    assert "pagefleet, kv_cache_dtype float16: " in out and "x the dense-layer floor" in out
+    assert "greedy outputs of pagefleet, kv_cache_dtype float16 equal to kv_cache_dtype auto" in out

@@ -28,3 +28,15 @@ def test_kernels_benchmark_smoke_prints_a_passing_table() -> None:
     assert any(line.startswith("decode b4 ctx128") and " PASS " in line for line in lines)
     assert any(line.startswith("triton interp") and " PASS " in line for line in lines)
     assert "FAIL" not in proc.stdout
+
+
+def test_cpu_decode_attention_benchmark_quick_prints_every_row() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PAGEFLEET_ATTENTION", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_decode_attention.py"), "--quick"],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("float32 KV (auto)", "float16 KV", "slot gather only", "SDPA only"):
+        assert row in proc.stdout

@@ -47,6 +47,7 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(pools=[{"workers": 2}]), "pools[0].name: is required"),
         (config(pools=[{"name": "chat", "kv_memory": "lots"}]), "pools[0].kv_memory_bytes: expected a byte size"),
         (config(pools=[{"name": "chat", "dtype": "int8"}]), "pools[0].dtype: must be one of"),
+        (config(pools=[{"name": "chat", "kv_cache_dtype": "fp8"}]), "pools[0].kv_cache_dtype: must be one of"),
         (config(pools=[{"name": "a"}, {"name": "a"}]), "pools[1].name: duplicate pool name 'a'"),
         (config(pools=[]), "pools: must list at least one pool"),
         ({"tenants": []}, "pools: must be a list"),
@@ -157,6 +158,12 @@ def test_engine_kwargs_build_an_engine_config() -> None:
     pool = PoolConfig("chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
     engine = EngineConfig(**pool.engine_kwargs(device="cpu"))
     assert (engine.block_size, engine.num_kv_blocks, engine.max_num_seqs) == (32, 128, 8)
+
+
+def test_kv_cache_dtype_comes_from_yaml_into_the_engine_config() -> None:
+    cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_cache_dtype": "float16"}]))
+    assert EngineConfig(**cfg.pool("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "float16"
+    assert EngineConfig(**PoolConfig("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "auto"
 
 
 def test_engine_kwargs_leave_unset_limits_to_the_engine() -> None:

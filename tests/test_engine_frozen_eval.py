@@ -7,6 +7,10 @@ only at a near-tie), under every scheduling situation the engine has:
 block sizes 8/16/32, requests arriving mid-run, preemption in each mode,
 chunked prefill and prefix-cache hits. After every scenario the pool is
 consistent and every block is free or cached.
+
+A float16 KV cache (`kv_cache_dtype`) is compared with HF rounding every key
+and value through float16 before its SDPA: identical in float64, a divergence
+only at a near-tie in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from hf_models import (
     check_diverse,
     hf_greedy,
     load_hf_reference,
+    next_token_logits,
     prompt_ids,
     top2_gap,
 )
@@ -195,5 +200,57 @@ def test_float32_diverges_from_hf_only_at_near_ties(
         assert gap < NEAR_TIE, (
             f"float32 output diverges at generated token {at} where HF's top-2 logit gap is "
             f"{gap:.3g} (not a near-tie): {tokens} != {expected}"
+        )
+    assert_pool_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def llama_float64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hf_model("llama", tmp_path_factory.mktemp("f64"))
+
+
+def test_float16_kv_equals_hf_on_float16_rounded_kv_in_float64(llama_float64: Path) -> None:
+    hf = load_hf_reference(llama_float64, kv_dtype=torch.float16)
+    plain = load_hf_reference(llama_float64)
+    llm = LLM(model=llama_float64, block_size=16, dtype="float64", kv_cache_dtype="float16")
+    assert llm.engine.kv.tensor.dtype == torch.float16
+    prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS)]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    check_diverse(expected, min_distinct=60)
+    assert_same_tokens([o.token_ids for o in outs], expected)
+    # The first token's log-probability (reported in float32): HF's on the rounded K/V,
+    # and measurably not HF's on the unrounded K/V (the cache really is float16).
+    drift = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].logprobs is not None
+        got = out.outputs[0].logprobs[0].logprob
+        token = out.token_ids[0]
+        rounded = float(torch.log_softmax(next_token_logits(hf, prompt), -1)[token])
+        unrounded = float(torch.log_softmax(next_token_logits(plain, prompt), -1)[token])
+        assert got == pytest.approx(rounded, abs=1e-6)
+        drift = max(drift, abs(got - unrounded))
+    assert drift > 1e-4, "float16 KV changed no log-probability: is the cache really float16?"
+    assert_pool_clean(llm)
+
+
+def test_float16_kv_in_float32_diverges_from_rounded_hf_only_at_near_ties(
+    llama_float32: tuple[Path, torch.nn.Module],
+) -> None:
+    model_dir, _ = llama_float32
+    hf = load_hf_reference(model_dir, dtype=torch.float32, kv_dtype=torch.float16)
+    prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS) if i % 2 == 0]
+    llm = LLM(model=model_dir, block_size=16, dtype="float32", kv_cache_dtype="float16",
+              max_num_batched_tokens=40)
+    for prompt, tokens in zip(prompts, generate(llm, prompts), strict=True):
+        expected = hf_greedy(hf, prompt, MAX_NEW)
+        if tokens == expected:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
+        gap = top2_gap(hf, prompt + expected[:at])
+        assert gap < NEAR_TIE, (
+            f"float16-KV output diverges at generated token {at} where the rounded HF's "
+            f"top-2 logit gap is {gap:.3g} (not a near-tie): {tokens} != {expected}"
         )
     assert_pool_clean(llm)

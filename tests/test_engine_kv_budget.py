@@ -4,6 +4,7 @@ the engine can ever hold."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagefleet import LLM
 from pagefleet.worker.config import EngineConfig, available_host_memory, default_cpu_kv_bytes
@@ -28,3 +29,17 @@ def test_default_cpu_budget_is_the_configured_share_of_available_memory() -> Non
 def test_a_cpu_kv_memory_fraction_outside_its_range_is_refused(fraction: float) -> None:
     with pytest.raises(ValueError, match=r"cpu_kv_memory_fraction must be in \(0, 0.9\]"):
         EngineConfig(cpu_kv_memory_fraction=fraction)
+
+
+def test_a_float16_kv_cache_holds_twice_the_blocks_of_a_float32_model_in_one_budget() -> None:
+    budget = 4 * 2**20
+    wide = LLM(model="tiny", kv_memory_bytes=budget)
+    narrow = LLM(model="tiny", kv_memory_bytes=budget, kv_cache_dtype="float16")
+    assert narrow.engine.kv.tensor.dtype == torch.float16
+    assert narrow.stats()["total"] == 2 * wide.stats()["total"]
+    assert narrow.engine.kv.nbytes <= budget
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'float16'"):
+        EngineConfig(kv_cache_dtype="fp8")

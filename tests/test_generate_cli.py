@@ -22,6 +22,17 @@ def test_generate_prints_the_greedy_completion(capsys: pytest.CaptureFixture[str
     assert expected.strip()
 
 
+def test_generate_with_a_float16_kv_cache_prints_the_same_as_llm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["generate", "Once upon a time", "--model", "tiny", "--max-tokens", "12", "--ignore-eos"]
+    assert main([*args, "--kv-cache-dtype", "float16"]) == 0
+    expected = LLM(model="tiny", num_kv_blocks=16, kv_cache_dtype="float16").generate(
+        "Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True)
+    )[0].text
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_bad_sampling_value_is_a_user_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import torch
 
 from pagefleet.kernels import paged_attention
 from pagefleet.kernels.cpu_attention import paged_attention_cpu
+from pagefleet.kernels.reference import paged_attention_reference
 from pagefleet.kernels.testing import PagedBatch, make_paged_batch, naive_attention
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -96,3 +97,58 @@ def test_dispatcher_runs_the_cpu_path_for_cpu_tensors(monkeypatch: pytest.Monkey
     b = batch([3, 1], [11, 6], seed=11)
     expected = paged_attention_cpu(*b.kernel_args(), 0.125)
     torch.testing.assert_close(paged_attention(*b.kernel_args(), 0.125), expected, rtol=0, atol=0)
+
+
+# A float16/bfloat16 cache under float32 queries (kv_cache_dtype): the oracle reads
+# the same rounded K/V, so what remains is float32 rounding of the same math.
+NARROW = [torch.float16, torch.bfloat16]
+
+
+def narrow_batch(q_lens: list[int], ctx_lens: list[int], kv_dtype: torch.dtype, *,
+                 seed: int, block_size: int = 8) -> PagedBatch:
+    return make_paged_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                            block_size=block_size, dtype=torch.float32, kv_dtype=kv_dtype,
+                            seed=seed)
+
+
+def widened(b: PagedBatch) -> PagedBatch:
+    """The same batch with its caches widened to float32: the same rounded values."""
+    return dataclasses.replace(b, k_cache=b.k_cache.float(), v_cache=b.v_cache.float())
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW)
+@pytest.mark.parametrize("layout", [lambda b: b, consecutive], ids=["scattered", "consecutive"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_narrow_cache_matches_the_oracle_on_the_rounded_kv(
+    kv_dtype: torch.dtype, layout: Callable[[PagedBatch], PagedBatch], window: int | None
+) -> None:
+    # 13 decode sequences (two buckets, one part full) around prefill chunks.
+    q_lens = [1, 12, 1, 1, 5, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1]
+    ctx = [30, 40, 7, 1, 5, 17, 64, 9, 9, 33, 2, 16, 8, 50, 21, 3]
+    assert_matches_oracle(layout(narrow_batch(q_lens, ctx, kv_dtype, seed=21)), window)
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW)
+def test_narrow_cache_differs_from_the_float32_path_only_by_summation_order(
+    kv_dtype: torch.dtype,
+) -> None:
+    q_lens = [1, 7, 1, 1, 3, 1, 1, 1, 1, 1, 1]
+    b = narrow_batch(q_lens, [19, 7, 40, 3, 28, 11, 8, 65, 24, 16, 5], kv_dtype, seed=22)
+    wide = widened(b)
+    got = paged_attention_cpu(*b.kernel_args(), 0.125)
+    reference = paged_attention_reference(*wide.kernel_args(), 0.125)
+    per_sequence = paged_attention_cpu(*wide.kernel_args(), 0.125)
+    prefill = torch.cat([torch.arange(s, s + n) for s, n in
+                         zip(b.query_start_loc[:-1].tolist(), q_lens, strict=True) if n > 1])
+    # Prefill chunks run the same per-sequence SDPA on the same float32 values: identical.
+    assert torch.equal(got[prefill], per_sequence[prefill])
+    # Decode tokens run batched matmuls: float32 rounding of the same sums (a few ulp
+    # of the largest |v|), no more.
+    bound = 8 * torch.finfo(torch.float32).eps * float(wide.v_cache.abs().nan_to_num().max())
+    torch.testing.assert_close(got, reference, rtol=0, atol=bound)
+
+
+def test_a_narrow_cache_step_serves_layers_of_different_windows() -> None:
+    b = narrow_batch([1] * 10, [3, 30, 12, 9, 41, 17, 5, 26, 8, 33], torch.float16, seed=23)
+    for window in (None, 4, None, 4):  # layers of a mixed-window model share one step plan
+        assert_matches_oracle(b, window)

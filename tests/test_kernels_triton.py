@@ -42,6 +42,7 @@ def batch(
     block_size: int = 8,
     shared_prefix_blocks: int = 0,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     return make_paged_batch(
         q_lens,
@@ -51,6 +52,7 @@ def batch(
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         device=DEVICE,
         shared_prefix_blocks=shared_prefix_blocks,
         seed=seed,
@@ -160,6 +162,22 @@ def test_dispatcher_runs_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> 
 def test_float64_is_rejected_with_the_supported_dtypes() -> None:
     b = batch([1], [4], torch.float64, seed=14)
     with pytest.raises(ValueError, match="fp16/bf16/fp32"):
+        paged_attention_triton(*b.kernel_args(), 0.125)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_float16_cache_under_float32_queries_matches_oracle_on_the_rounded_kv(
+    num_splits: int,
+) -> None:
+    # kv_cache_dtype "float16" on a float32 model: the kernel widens K/V as it loads them.
+    b = batch([1, 6, 1], [40, 22, 5], q_heads=4, kv_heads=2, seed=16, kv_dtype=torch.float16)
+    assert b.k_cache.dtype == torch.float16
+    assert_matches_oracle(b, num_splits=num_splits)
+
+
+def test_a_cache_wider_than_the_query_is_rejected() -> None:
+    b = batch([1], [4], torch.float16, seed=17, kv_dtype=torch.float32)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
         paged_attention_triton(*b.kernel_args(), 0.125)
 
 

@@ -126,6 +126,16 @@ def test_plan_dtype_changes_bytes_per_token(
     assert json.loads(out)["bytes_per_token"] == 2 * BYTES_PER_TOKEN
 
 
+def test_plan_kv_cache_dtype_float16_halves_a_float32_models_bytes_per_token(
+    capsys: pytest.CaptureFixture[str], config_json: Path
+) -> None:
+    args = ("--model", str(config_json), "--dtype", "float32", "--budget", "1GiB", "--json")
+    _, wide, _ = plan(capsys, *args)
+    _, narrow, _ = plan(capsys, *args, "--kv-cache-dtype", "float16")
+    assert json.loads(narrow)["bytes_per_token"] == BYTES_PER_TOKEN
+    assert json.loads(narrow)["num_blocks"] == 2 * json.loads(wide)["num_blocks"]
+
+
 def test_plan_json_matches_the_capacity_plan(
     capsys: pytest.CaptureFixture[str], config_json: Path
 ) -> None:

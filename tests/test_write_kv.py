@@ -35,20 +35,25 @@ def empty_caches(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return kv[0], kv[1]
 
 
-def round_trip(writer: object, head_dim: int, dtype: torch.dtype, seed: int) -> None:
+def round_trip(
+    writer: object, head_dim: int, dtype: torch.dtype, seed: int, cache_dtype: torch.dtype | None = None
+) -> None:
+    """Write random K/V of `dtype` into caches of `cache_dtype` (default the same): each
+    written slot holds the K/V rounded to the cache dtype, every other slot is untouched."""
     gen = torch.Generator().manual_seed(seed)
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:20]
     slots[[3, 11, 17]] = -1
     key = torch.randn(20, KV_HEADS, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
     value = torch.randn(20, KV_HEADS, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
-    k_cache, v_cache = empty_caches(head_dim, dtype)
+    k_cache, v_cache = empty_caches(head_dim, cache_dtype or dtype)
     writer(key, value, k_cache, v_cache, slots.to(DEVICE))  # type: ignore[operator]
 
     written = slots >= 0
     k_flat = k_cache.reshape(-1, KV_HEADS, head_dim).cpu()
     v_flat = v_cache.reshape(-1, KV_HEADS, head_dim).cpu()
-    torch.testing.assert_close(k_flat[slots[written]], key[written].cpu(), rtol=0, atol=0)
-    torch.testing.assert_close(v_flat[slots[written]], value[written].cpu(), rtol=0, atol=0)
+    stored = k_cache.dtype
+    torch.testing.assert_close(k_flat[slots[written]], key[written].to(stored).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(v_flat[slots[written]], value[written].to(stored).cpu(), rtol=0, atol=0)
     untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     untouched[slots[written]] = False
     assert torch.isnan(k_flat[untouched]).all(), "a skipped or unrelated slot was written"
@@ -64,6 +69,15 @@ def test_reference_round_trip_skips_slot_minus_one(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_round_trip_skips_slot_minus_one(head_dim: int, dtype: torch.dtype) -> None:
     round_trip(triton_write_kv(), head_dim, dtype, seed=2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_reference_rounds_float32_kv_into_a_narrow_cache(cache_dtype: torch.dtype) -> None:
+    round_trip(write_kv_reference, 64, torch.float32, seed=4, cache_dtype=cache_dtype)
+
+
+def test_triton_rounds_float32_kv_into_a_float16_cache() -> None:
+    round_trip(triton_write_kv(), 64, torch.float32, seed=5, cache_dtype=torch.float16)
 
 
 def test_dispatcher_writes_through_default_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,13 @@ import yaml
 from pagefleet.cluster.router import RouterConfig
 from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.block_pool import is_valid_block_size
-from pagefleet.worker.config import DEFAULT_DTYPE, DTYPES, PREEMPTION_MODES, EngineConfig
+from pagefleet.worker.config import (
+    DEFAULT_DTYPE,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 
 SCHEDULER_POLICIES = ("watermark", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -95,6 +101,7 @@ class PoolConfig:
     swap_space_bytes: int | None = None
     kv_offload_bytes: int | None = None  # YAML `kv_offload: 4GiB`: host tier per worker
     dtype: str = DEFAULT_DTYPE
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     num_gpus_per_worker: float | None = None
 
@@ -112,6 +119,7 @@ class PoolConfig:
         _at_least("num_gpus_per_worker", self.num_gpus_per_worker, 0)
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("device", self.device, DEVICES)
         # The engine's own checks are the final word (e.g. cross-field limits).
         try:
@@ -144,6 +152,7 @@ class PoolConfig:
             "swap_space_bytes": self.swap_space_bytes,
             "kv_offload_bytes": self.kv_offload_bytes,
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "device": device,
         }
         optional = ("max_num_seqs", "max_num_batched_tokens", "swap_space_bytes", "kv_offload_bytes")

@@ -16,7 +16,7 @@ from typing import Any
 from pagefleet.cli import CommandError
 from pagefleet.commands import preflight
 from pagefleet.commands.target import TARGET_HELP, describe_rpc_error, parse_target
-from pagefleet.worker.config import DEFAULT_DTYPE
+from pagefleet.worker.config import DEFAULT_DTYPE, KV_CACHE_DTYPES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -47,6 +47,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, help="offline: model dtype")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="offline: what the KV cache stores (auto = the model dtype; float16 halves it)",
+    )
     parser.add_argument("--device", default="cpu", help="offline: cpu or cuda[:N]")
     parser.add_argument("--target", default=None, metavar="HOST:PORT", help=TARGET_HELP)
     parser.add_argument("--pool", default="", help="with --target: the pool to use")
@@ -94,7 +100,12 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
     hf_logging.disable_progress_bar()  # stdout/stderr carry the completion only
     preflight.check_generate(args.model, args.device)
     try:
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            device=args.device,
+        )
         engine = LLMEngine(config)
         prompt: str | list[int] = args.prompt
         if args.chat:

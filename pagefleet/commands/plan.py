@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagefleet.worker.config import DEFAULT_DTYPE
+from pagefleet.worker.config import DEFAULT_DTYPE, KV_CACHE_DTYPES
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,8 +33,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default=DEFAULT_DTYPE,
-        help=f"KV cache dtype (float16, bfloat16, float32, fp8); default {DEFAULT_DTYPE}, "
-        "the engine's own default",
+        help=f"model dtype, which the KV cache stores unless --kv-cache-dtype says otherwise "
+        f"(float16, bfloat16, float32, fp8 for planning only); default {DEFAULT_DTYPE}, the "
+        "engine's own default",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores, as the engine option: auto = --dtype; float16 "
+        "holds twice the tokens of a float32 model in the same budget",
     )
     parser.add_argument(
         "--max-model-len",
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         budget = parse_bytes(args.budget)
-        dtype = parse_dtype(args.dtype)
+        dtype = parse_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     name, config = load_model_config(args.model)

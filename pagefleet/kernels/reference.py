@@ -174,17 +174,23 @@ _workspace = threading.local()
 
 
 def _gather_rows(source: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
-    """``source.index_select(0, index)``, on CPU into a reused per-thread buffer.
+    """``source.index_select(0, index)``, on CPU into a reused per-thread buffer."""
+    if source.device.type != "cpu" or (source.requires_grad and torch.is_grad_enabled()):
+        return source.index_select(0, index)
+    out = workspace(name, (index.shape[0], *source.shape[1:]), source.dtype)
+    return torch.index_select(source, 0, index, out=out)
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` from a per-thread buffer reused across layers and steps.
 
     A fresh multi-megabyte tensor per layer and step comes from the OS each
     time, and its page faults cost several times the copy itself; the buffer
-    only grows, to the largest gathered context seen by this thread.
+    of each ``(name, dtype)`` only grows, to the largest shape seen by this thread.
+    Its contents are garbage; the caller overwrites them.
     """
-    if source.device.type != "cpu" or (source.requires_grad and torch.is_grad_enabled()):
-        return source.index_select(0, index)
-    shape = (index.shape[0], *source.shape[1:])
     numel = math.prod(shape)
-    key = (name, source.dtype)
+    key = (name, dtype)
     buffers: dict[tuple[str, torch.dtype], torch.Tensor] = _workspace.__dict__.setdefault(
         "buffers", {}
     )
@@ -193,9 +199,9 @@ def _gather_rows(source: torch.Tensor, index: torch.Tensor, name: str) -> torch.
         # A normal tensor even when first made under inference_mode, so that later
         # calls outside inference mode may still write into it.
         with torch.inference_mode(False):
-            buffer = torch.empty(numel, dtype=source.dtype)
+            buffer = torch.empty(numel, dtype=dtype)
         buffers[key] = buffer
-    return torch.index_select(source, 0, index, out=buffer[:numel].view(shape))
+    return buffer[:numel].view(shape)
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

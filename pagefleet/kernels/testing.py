@@ -59,6 +59,7 @@ def make_paged_batch(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     shared_prefix_blocks: int = 0,
     spare_blocks: int = 3,
@@ -72,6 +73,7 @@ def make_paged_batch(
     logical blocks of every sequence long enough map to the same physical
     blocks (a shared prompt prefix), and their contiguous K/V agree.
     ``poison=False`` fills unused pool space with zeros (the benchmark's case).
+    ``kv_dtype`` (default ``dtype``) is the caches' dtype (a narrower KV cache).
     """
     if len(q_lens) != len(ctx_lens):
         raise ValueError(f"{len(q_lens)} query lengths for {len(ctx_lens)} context lengths")
@@ -121,13 +123,15 @@ def make_paged_batch(
     qsl = [0]
     for q_len in q_lens:
         qsl.append(qsl[-1] + q_len)
-    # Round the oracle's data through the kernel dtype so both see the same numbers.
-    keys = [k.to(dtype).to(torch.float64) for k in keys]
-    values = [v.to(dtype).to(torch.float64) for v in values]
+    # Round the oracle's data through the kernel dtypes so both see the same numbers.
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    query = query.to(dtype)
+    keys = [k.to(kv_dtype).to(torch.float64) for k in keys]
+    values = [v.to(kv_dtype).to(torch.float64) for v in values]
     return PagedBatch(
-        query=query.to(device=device, dtype=dtype),
-        k_cache=k_cache.to(device=device, dtype=dtype),
-        v_cache=v_cache.to(device=device, dtype=dtype),
+        query=query.to(device=device),
+        k_cache=k_cache.to(device=device, dtype=kv_dtype),
+        v_cache=v_cache.to(device=device, dtype=kv_dtype),
         block_tables=tables.to(dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),

@@ -122,7 +122,9 @@ def _paged_attention_kernel(
         block = tl.load(table_row + pos // PAGE_SIZE, mask=pos_valid, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % PAGE_SIZE) * stride_co + head_off
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        # A narrower cache (kv_cache_dtype) is converted to the query's dtype as it is read.
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -137,6 +139,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -334,8 +337,13 @@ def _validate(
 ) -> None:
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"Triton paged attention takes fp16/bf16/fp32, got {query.dtype}")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.dtype != query.dtype and k_cache.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"cache dtype {k_cache.dtype} with query dtype {query.dtype}: a cache must be the "
+            "query's dtype or float16/bfloat16"
+        )
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if num_q_heads % num_kv_heads != 0:

@@ -13,6 +13,10 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 # The one default dtype: `LLM`, `EngineConfig`, pools, `pagefleet generate` and
 # `pagefleet plan` all start from it, so a plan's capacity is the engine's.
 DEFAULT_DTYPE = "float32"
+# What the KV cache stores (vLLM's --kv-cache-dtype): "auto" = the model dtype; a
+# narrower one halves the KV bytes (twice the blocks per budget), and attention
+# converts it back to the compute dtype as it reads.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 # The CPU KV pool when the host's available memory cannot be read (not Linux):
 # plenty for the built-in model and small enough for any laptop.
@@ -62,6 +66,10 @@ class EngineConfig:
     blocks into. `kv_offload_bytes` (0: off) sizes the offload tier: host
     memory that holds prefix blocks evicted from the pool until a later prompt
     hits them (it needs prefix caching). `seed` seeds requests that bring no seed of their own.
+    `kv_cache_dtype` is what the KV pool stores: "auto" (the model `dtype`)
+    or "float16"/"bfloat16" (half the bytes per token, so twice the blocks of a
+    float32 model's budget; a numeric mode of its own: attention reads the
+    rounded K/V).
     `tenant_max_live_blocks` caps the live blocks of a tenant, as
     ``(salt, max_blocks)`` pairs keyed by the request's prefix-cache salt
     (see `worker.tenant_quota`).
@@ -79,6 +87,7 @@ class EngineConfig:
     swap_space_bytes: int = 1024 * 1024 * 1024
     kv_offload_bytes: int = 0
     dtype: str = DEFAULT_DTYPE
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
@@ -115,6 +124,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         for salt, cap in self.tenant_max_live_blocks:
             if cap < 1:
                 raise ValueError(f"tenant_max_live_blocks for salt {salt!r} must be >= 1, got {cap}")

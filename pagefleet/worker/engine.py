@@ -53,7 +53,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device)
+        self.runner = ModelRunner(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
         self.tokenizer: Any = self.runner.tokenizer
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: set[int] = set(self.runner.eos_token_ids)

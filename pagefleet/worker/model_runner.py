@@ -168,13 +168,18 @@ def _checked_window(window: Any) -> int | None:
 
 
 class ModelRunner:
-    """Loads an HF causal LM and runs engine steps on a bound `KVCache`."""
+    """Loads an HF causal LM and runs engine steps on a bound `KVCache`.
+
+    `kv_cache_dtype` is the dtype the KV cache stores: "auto" (the model
+    `dtype`) or a narrower one (e.g. "float16" under a float32 model).
+    """
 
     def __init__(
         self,
         model: str | Path = "tiny",
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str | torch.dtype = "auto",
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -182,6 +187,9 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype} not supported; use one of {_DTYPES}")
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else parse_dtype(kv_cache_dtype)
+        if self.kv_dtype not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype} not supported; use one of {_DTYPES}")
         self.device = torch.device(device)
         self.model_path = resolve_model_path(model)
         # Check the config before loading any weights: a refusal should be cheap.
@@ -232,8 +240,8 @@ class ModelRunner:
 
     @property
     def model_shape(self) -> ModelShape:
-        """Per-token KV shape of this model in the runner's dtype."""
-        return ModelShape.from_hf_config(self.hf_config, dtype=self.dtype)
+        """Per-token KV shape of this model in the KV cache dtype."""
+        return ModelShape.from_hf_config(self.hf_config, dtype=self.kv_dtype)
 
     @property
     def max_position_embeddings(self) -> int:

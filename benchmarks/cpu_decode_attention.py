@@ -1,0 +1,132 @@
+"""Where one CPU decode step's attention time goes, float32 against float16 KV.
+
+The issue-9 workload at mid-decode: SmolLM2-135M shapes (30 layers, 9 query
+heads over 3 KV heads, head dim 64, blocks of 16), 32 sequences whose prompts
+(50-400 tokens) took consecutive blocks and whose later blocks were allocated
+one step at a time, interleaved between sequences, as the engine does. Every
+layer has its own cache, so a step reads its K/V from memory, not from a
+cache the previous layer warmed.
+
+Rows, each CPU time per layer (one thread, median over interleaved rounds):
+the CPU paged attention on a float32 cache (`kv_cache_dtype` auto) and on a
+float16 cache; and its parts on the float32 cache: the slot gather alone,
+the SDPA calls alone on already gathered K/V, and SDPA on one-token contexts
+(the fixed cost of 32 calls). `--quick`: 4 layers, 2 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagefleet.kernels.cpu_attention import paged_attention_cpu
+
+BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 16, 3, 9, 64
+
+
+def step_tables(num_seqs: int, generated: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Block tables and context lengths after `generated` decode steps."""
+    rng = random.Random(seed)
+    prompts = [rng.randint(50, 400) for _ in range(num_seqs)]
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-p // BLOCK)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    ctx = list(prompts)
+    for _ in range(generated):
+        for i in range(num_seqs):
+            ctx[i] += 1
+            if -(-ctx[i] // BLOCK) > len(tables[i]):
+                tables[i].append(next_block)
+                next_block += 1
+    return tables, ctx
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 layers, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.layers = 2, 4
+    torch.set_num_threads(1)
+    tables, ctx = step_tables(32, 32)
+    num_blocks = max(b for t in tables for b in t) + 1
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = torch.arange(len(ctx) + 1, dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    layers = args.layers
+    cache32 = torch.randn(layers, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    cache16 = cache32.half()
+    query = torch.randn(len(ctx), Q_HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    slots = [
+        (torch.tensor(t)[:, None] * BLOCK + torch.arange(BLOCK)).view(-1)[:c]
+        for t, c in zip(tables, ctx, strict=True)
+    ]
+    gathered = [
+        [(cache32[i, 0].view(-1, KV_HEADS, HEAD_DIM)[s], cache32[i, 1].view(-1, KV_HEADS, HEAD_DIM)[s])
+         for s in slots]
+        for i in range(layers)
+    ]
+    print(f"{len(ctx)} sequences, {sum(ctx)} cached tokens, {layers} layers: "
+          f"{cache32[0].nbytes / 1e6:.1f} MB of float32 K/V per layer")
+
+    def attention(cache: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(layers):
+                paged_attention_cpu(query, cache[i, 0], cache[i, 1], block_tables, qsl, lens, scale)
+        return run
+
+    def gather() -> None:
+        for i in range(layers):
+            k_flat = cache32[i, 0].view(-1, KV_HEADS, HEAD_DIM)
+            v_flat = cache32[i, 1].view(-1, KV_HEADS, HEAD_DIM)
+            for s in slots:
+                k_flat.index_select(0, s)
+                v_flat.index_select(0, s)
+
+    def sdpa(one_token: bool) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(layers):
+                for j, (k, v) in enumerate(gathered[i]):
+                    if one_token:
+                        k, v = k[:1], v[:1]
+                    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (query[j : j + 1], k, v))
+                    F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True)
+        return run
+
+    methods = {
+        "paged attention, float32 KV (auto)": attention(cache32),
+        "paged attention, float16 KV": attention(cache16),
+        "  float32 part: slot gather only": gather,
+        "  float32 part: SDPA only (gathered K/V)": sdpa(False),
+        "  float32 part: SDPA fixed cost (1-token contexts)": sdpa(True),
+    }
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    per_layer: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(args.rounds):
+        for name, fn in methods.items():
+            start = time.process_time()
+            fn()
+            per_layer[name].append((time.process_time() - start) / layers * 1e3)
+    base = statistics.median(per_layer["paged attention, float32 KV (auto)"])
+    print(f"\n{'method':52s} {'median ms/layer':>16s} {'min':>7s} {'vs float32':>11s}")
+    for name, values in per_layer.items():
+        median = statistics.median(values)
+        print(f"{name:52s} {median:16.2f} {min(values):7.2f} {median / base:10.2f}x")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
