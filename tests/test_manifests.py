@@ -95,6 +95,7 @@ def test_rayservice_serves_the_serve_yaml_config_with_its_kubernetes_placement()
     expected = copy.deepcopy(load("serve.yaml"))
     args = expected["applications"][0]["args"]
     args["ingress_resource"] = "pagefleet_ingress"
+    args["ingress_replicas_per_node"] = 1
     args["config"]["pools"][0].update(device="cuda", num_gpus_per_worker=1)
     assert serve_config_v2() == expected
 

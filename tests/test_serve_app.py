@@ -48,6 +48,20 @@ def test_builder_args_refuse_a_bad_metrics_port() -> None:
         parse_args({"config": {"pools": [{"name": "a"}]}, "metrics_port": 70000})
 
 
+def test_builder_spreads_ingress_replicas_per_node_only_off_the_head_node() -> None:
+    from pagefleet.cluster.serve_app import build_application
+
+    pools = {"pools": [{"name": "a"}], "server": {"ingress_replicas": 2}}
+    args = {"config": pools, "ingress_resource": "pagefleet_ingress", "ingress_replicas_per_node": 1}
+    assert parse_args(args).ingress_replicas_per_node == 1
+    ingress = build_application(args)._bound_deployment
+    assert ingress._replica_config.max_replicas_per_node == 1
+    with pytest.raises(ValueError, match=r"ingress_replicas_per_node: needs ingress_resource"):
+        parse_args({"config": pools, "ingress_replicas_per_node": 1})
+    with pytest.raises(ValueError, match=r"ingress_replicas_per_node: must be an integer >= 1"):
+        parse_args({**args, "ingress_replicas_per_node": 0})
+
+
 def test_builder_reads_a_config_file(tmp_path: Path) -> None:
     path = tmp_path / "pagefleet.yaml"
     path.write_text("pools:\n  - {name: chat, workers: 3}\n")

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 WORKERS_NAME = "pagefleet-workers"
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_READY_TIMEOUT_S = 600.0
-_ARGS = ("config", "metrics_port", "ready_timeout_s", "ingress_resource")
+_ARGS = ("config", "metrics_port", "ready_timeout_s", "ingress_resource", "ingress_replicas_per_node")
 
 
 class WorkerOwner:
@@ -140,6 +140,9 @@ class BuildArgs:
     # A custom Ray resource of the nodes that may run the ingress (KubeRay: its own
     # worker group, whose pods can then be probed for readiness); None: the head node.
     ingress_resource: str | None = None
+    # At most this many ingress replicas per node (Serve's max_replicas_per_node), e.g.
+    # 1: one per ingress pod; None: Serve's default placement. Needs ingress_resource.
+    ingress_replicas_per_node: int | None = None
 
 
 def parse_args(args: Mapping[str, Any]) -> BuildArgs:
@@ -172,7 +175,18 @@ def parse_args(args: Mapping[str, Any]) -> BuildArgs:
     resource = args.get("ingress_resource")
     if resource is not None and (not isinstance(resource, str) or not resource):
         raise ValueError(f"pagefleet args.ingress_resource: must be a resource name, got {resource!r}")
-    return BuildArgs(config, metrics_port, float(timeout), resource)
+    per_node = args.get("ingress_replicas_per_node")
+    if per_node is not None:
+        if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+            raise ValueError(
+                f"pagefleet args.ingress_replicas_per_node: must be an integer >= 1 or null, got {per_node!r}"
+            )
+        if resource is None:
+            raise ValueError(
+                "pagefleet args.ingress_replicas_per_node: needs ingress_resource (without it every "
+                "ingress replica runs on the head node, so the cap would only leave replicas unplaced)"
+            )
+    return BuildArgs(config, metrics_port, float(timeout), resource, per_node)
 
 
 def parse_user_config(user_config: Any, config: ClusterConfig) -> dict[str, int]:
@@ -213,6 +227,8 @@ def build_application(args: Mapping[str, Any]) -> Application:
     on_ingress_node = on_head
     if parsed.ingress_resource is not None:
         on_ingress_node = {"num_cpus": 0, "resources": {parsed.ingress_resource: 0.001}}
+    per_node = parsed.ingress_replicas_per_node
+    spread: dict[str, Any] = {} if per_node is None else {"max_replicas_per_node": per_node}
     quiet = {"enable_access_log": False}  # only control calls pass through Serve
     owner = serve.deployment(
         name=WORKERS_NAME, num_replicas=1, ray_actor_options=on_head, logging_config=quiet
@@ -223,6 +239,7 @@ def build_application(args: Mapping[str, Any]) -> Application:
         # or autoscaled on their streams (`server.ingress_max_replicas`).
         **ingress_options(parsed.config),
         ray_actor_options=on_ingress_node,
+        **spread,
         logging_config=quiet,
         # Streams arrive over our own gRPC/HTTP servers, not as Serve requests.
         max_ongoing_requests=1000,
