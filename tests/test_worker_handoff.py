@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -259,3 +260,25 @@ def test_a_hand_off_whose_blocks_cannot_be_fetched_is_recomputed_with_the_same_o
     assert rest[0].cached_tokens == 0  # recomputed
     assert stats["kv_import_failures"] == 1 and stats["kv_blocks_imported"] == 0
     assert stats["free"] + stats["cached"] == stats["total"]
+
+
+def test_an_abort_while_the_blocks_are_fetched_ends_the_request_before_it_runs(
+    local_ray: None,
+) -> None:
+    def slow() -> None:  # local, so Ray ships it by value
+        time.sleep(30)
+
+    async def main() -> tuple[list[TokenDelta], dict[str, int]]:
+        target = _actor()
+        kv = KVHandoff((b"\0" * 32,), ray.remote(slow).options(num_cpus=0).remote(), (1,), "float32")
+        stream = target.generate(WorkerRequest("k@r1", tuple(CONTEXT), LONG, salt="t", kv=kv))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.5)  # it waits for the object
+        assert not first.done()
+        await target.abort("k@r1")
+        got = [await first] + [d async for d in stream]
+        return got, await _settled(target)
+
+    got, stats = asyncio.run(main())
+    assert [d.finish_reason for d in got] == ["abort"] and not got[0].token_ids
+    assert stats["num_waiting"] == 0 and stats["free"] == stats["total"]

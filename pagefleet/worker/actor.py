@@ -97,6 +97,9 @@ class WorkerActor:
         self._active: set[str] = set()  # ids of the requests streaming now
         self._migrating: dict[str, _Handoff] = {}  # request id -> where it is handed to
         self._kv_import_failures = 0  # hand-offs whose blocks could not be fetched or imported
+        # Requests importing a hand-off's blocks, not in the engine yet: an abort meanwhile
+        # cancels the import, and the request ends there instead of being submitted.
+        self._importing: dict[str, asyncio.Task[None]] = {}
         self._preemptions_seen = 0
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
@@ -116,7 +119,13 @@ class WorkerActor:
         prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
         try:
             if request.kv is not None:
-                await self._import_kv(request_id, request.kv)
+                task = asyncio.ensure_future(self._import_kv(request_id, request.kv))
+                self._importing[request_id] = task
+                await asyncio.wait({task})
+                del self._importing[request_id]
+                if task.cancelled():  # aborted while importing
+                    yield TokenDelta(finish_reason="abort")
+                    return
             stream = self._engine.generate(
                 request_id, prompt, request.params, priority=request.priority, salt=request.salt
             )
@@ -139,12 +148,15 @@ class WorkerActor:
             yield TokenDelta(error=str(exc))
         finally:
             self._active.discard(request_id)
+            importing = self._importing.pop(request_id, None)
+            if importing is not None:  # the caller left while the blocks were fetched
+                importing.cancel()
             self._migrating.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
         between two engine steps, and its stream ends with finish_reason "abort"."""
-        self._engine.abort(request_id)
+        self._abort(request_id)
 
     async def abort_key(self, key: str) -> bool:
         """Abort the streaming request whose id is `key` tagged by any ingress replica
@@ -153,9 +165,15 @@ class WorkerActor:
         found = False
         for request_id in list(self._active):
             if request_id.rpartition("@")[0] == key:
-                self._engine.abort(request_id)
+                self._abort(request_id)
                 found = True
         return found
+
+    def _abort(self, request_id: str) -> None:
+        importing = self._importing.get(request_id)
+        if importing is not None:
+            importing.cancel()
+        self._engine.abort(request_id)
 
     def _migrate(self, request_id: str, target: str, *, transfer: bool) -> None:
         """Hand a request off on the scheduler's order: abort it here (its blocks return to
@@ -348,7 +366,7 @@ class WorkerActor:
             _, _, replica = request_id.rpartition("@")
             if replica in dead_replicas:
                 logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
-                self._engine.abort(request_id)
+                self._abort(request_id)
 
 
 def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
