@@ -124,12 +124,14 @@ def e2e_config(model: str, num_kv_blocks: int, max_model_len: int, streams: int)
                 {
                     "name": "default", "model": model, "workers": 2, "block_size": BLOCK_SIZE,
                     "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len,
-                    "max_num_seqs": streams, "device": "cpu",
+                    "max_num_seqs": streams, "max_num_batched_tokens": 256, "device": "cpu",
                 }
             ],
             "router": {"policy": "prefix_affinity"},
-            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "admission": "prompt",
-                          "wait_queue_size": 2 * streams},
+            # A loaded CPU takes seconds per prefill step: no worker may look dead or hung
+            # for that (a hung worker's streams would move by recompute).
+            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 60.0, "stall_timeout_s": 120.0,
+                          "admission": "prompt", "wait_queue_size": 2 * streams},
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None},
         }
     )
@@ -194,10 +196,11 @@ def one_round(
 
 def end_to_end(args: argparse.Namespace) -> None:
     context, shared, streams = args.context, args.shared, args.streams
-    # The pinned worker holds all but one of the streams to their end: it runs short
-    # as they grow, and the scheduler moves one.
-    per_stream = -(-(context + args.max_tokens) // BLOCK_SIZE) - shared // BLOCK_SIZE
-    num_kv_blocks = shared // BLOCK_SIZE + (streams - 1) * per_stream
+    # The pinned worker holds every prompt but not every stream to its end: it runs
+    # short halfway through their outputs, and the scheduler moves one.
+    own = -(-context // BLOCK_SIZE) - shared // BLOCK_SIZE
+    growth = args.max_tokens // BLOCK_SIZE
+    num_kv_blocks = shared // BLOCK_SIZE + streams * own + streams * growth // 2
     max_model_len = context + args.max_tokens + BLOCK_SIZE
     print(
         f"end to end: {args.model}, 2 CPU workers x {num_kv_blocks} blocks of {BLOCK_SIZE}, "
@@ -254,16 +257,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--end-to-end", action="store_true", help="a real migration on a local cluster")
-    parser.add_argument("--context", type=int, default=512, help="end to end: prompt tokens per stream")
+    parser.add_argument("--context", type=int, default=384, help="end to end: prompt tokens per stream")
     parser.add_argument("--shared", type=int, default=128, help="end to end: shared prefix tokens")
     parser.add_argument("--streams", type=int, default=4, help="end to end: streams per round")
-    parser.add_argument("--max-tokens", type=int, default=48, help="end to end: tokens out per stream")
+    parser.add_argument("--max-tokens", type=int, default=96, help="end to end: tokens out per stream")
     parser.add_argument("--rounds", type=int, default=3, help="end to end: rounds per mode")
     parser.add_argument("--smoke", action="store_true", help="tiny model, short lengths, 1 rep")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.lengths, args.reps = "tiny", [32, 64], 1
-        args.context, args.shared, args.max_tokens, args.rounds = 128, 64, 64, 1
+        args.context, args.shared, args.max_tokens, args.rounds = 128, 64, 96, 1
     if args.end_to_end:
         end_to_end(args)
         return

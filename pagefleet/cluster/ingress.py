@@ -298,9 +298,8 @@ class Ingress:
                 # After a hand-off: the scheduler's target, or (if it left routing since)
                 # any live worker, the source included; after a failure: an untried one.
                 moved_to = self._migration_target(state.slot, migrate_to)
-                source = state.slot
                 state.slot = self.admission.move(
-                    source, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried,
+                    state.slot, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried,
                     target=moved_to,
                 )
                 # The blocks go only to the target the source exported them for; anywhere
