@@ -127,7 +127,9 @@ def e2e_config(model: str, num_kv_blocks: int, max_model_len: int, streams: int)
                     "max_num_seqs": streams, "max_num_batched_tokens": 256, "device": "cpu",
                 }
             ],
-            "router": {"policy": "prefix_affinity"},
+            # Prefix affinity without the load terms: every stream goes to the pinned worker.
+            "router": {"policy": "prefix_affinity", "imbalance_slack_blocks": 100_000,
+                       "w_load": 0.0, "w_queue": 0.0},
             # A loaded CPU takes seconds per prefill step: no worker may look dead or hung
             # for that (a hung worker's streams would move by recompute).
             "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 60.0, "stall_timeout_s": 120.0,
@@ -196,11 +198,14 @@ def one_round(
 
 def end_to_end(args: argparse.Namespace) -> None:
     context, shared, streams = args.context, args.shared, args.streams
-    # The pinned worker holds every prompt but not every stream to its end: it runs
-    # short halfway through their outputs, and the scheduler moves one.
-    own = -(-context // BLOCK_SIZE) - shared // BLOCK_SIZE
-    growth = args.max_tokens // BLOCK_SIZE
-    num_kv_blocks = shared // BLOCK_SIZE + streams * own + streams * growth // 2
+    # The pinned worker has room for every prompt (the router counts each one whole)
+    # but not for every stream to its end: it runs short as they grow, and the
+    # scheduler moves one.
+    prompts_claim = streams * -(-context // BLOCK_SIZE)
+    full = shared // BLOCK_SIZE + streams * (-(-(context + args.max_tokens) // BLOCK_SIZE) - shared // BLOCK_SIZE)
+    if full <= prompts_claim:
+        raise SystemExit("--max-tokens too small for a shortage: raise it or lower --shared")
+    num_kv_blocks = prompts_claim + (full - prompts_claim) // 2
     max_model_len = context + args.max_tokens + BLOCK_SIZE
     print(
         f"end to end: {args.model}, 2 CPU workers x {num_kv_blocks} blocks of {BLOCK_SIZE}, "
@@ -260,13 +265,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=384, help="end to end: prompt tokens per stream")
     parser.add_argument("--shared", type=int, default=128, help="end to end: shared prefix tokens")
     parser.add_argument("--streams", type=int, default=4, help="end to end: streams per round")
-    parser.add_argument("--max-tokens", type=int, default=96, help="end to end: tokens out per stream")
+    parser.add_argument("--max-tokens", type=int, default=192, help="end to end: tokens out per stream")
     parser.add_argument("--rounds", type=int, default=3, help="end to end: rounds per mode")
     parser.add_argument("--smoke", action="store_true", help="tiny model, short lengths, 1 rep")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.lengths, args.reps = "tiny", [32, 64], 1
-        args.context, args.shared, args.max_tokens, args.rounds = 128, 64, 96, 1
+        args.context, args.shared, args.max_tokens, args.rounds = 128, 64, 128, 1
     if args.end_to_end:
         end_to_end(args)
         return
