@@ -203,32 +203,47 @@ def test_index_drift_settles_to_zero_after_traffic(cluster: RunningCluster, targ
 
 # Token-id prompts: 8 shared blocks (the prefix that pins them to one worker) and 8 of
 # their own; with 96 tokens out, four of them need 8 + 4 x 32 = 136 of a worker's 96
-# blocks, while the other worker has nothing to do.
-MIGRATION_PREFIX = [50 + (7 * i) % 200 for i in range(32)]
+# blocks, while the other worker has nothing to do. Each run has its own prefix: a
+# moved stream's blocks stay cached on its target.
+def _migration_prefix(run: int) -> list[int]:
+    return [50 + (7 * i + 31 * run) % 200 for i in range(32)]
 
 
-def _pinned_prompt(j: int) -> list[int]:
-    return MIGRATION_PREFIX + [260 + (13 * i + 17 * j) % 300 for i in range(32)]
+def _pinned_prompt(prefix: list[int], j: int) -> list[int]:
+    return prefix + [260 + (13 * i + 17 * j) % 300 for i in range(32)]
 
 
+def _all_workers_stats(cluster: RunningCluster) -> dict[str, dict[str, Any]]:
+    return {wid: worker_stats(cluster, wid) for wid, _ in cluster.workers["default"]}
+
+
+@pytest.mark.parametrize("transfer", [True, False], ids=["by-transfer", "by-recompute"])
 def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_unchanged(
-    cluster: RunningCluster, target: str, offline: LLM
+    cluster: RunningCluster, target: str, offline: LLM, transfer: bool
 ) -> None:
-    prompts = [_pinned_prompt(j) for j in range(4)]
+    prefix = _migration_prefix(int(transfer))
+    prompts = [_pinned_prompt(prefix, j) for j in range(4)]
     sampling = {"max_tokens": MAX_MODEL_LEN - len(prompts[0]), "ignore_eos": True}
     want = [o.token_ids for o in offline.generate(prompts, SamplingParams(**sampling))]
+    for scheduler in cluster.schedulers:
+        assert ray.get(scheduler.set_migration_transfer.remote(transfer), timeout=30)
     before = ray.get(cluster.scheduler.migration_stats.remote(), timeout=30).get("default", 0)
-    warm = generate(target, [*MIGRATION_PREFIX, 1, 2, 3, 4], max_tokens=1)
+    stats_before = _all_workers_stats(cluster)
+    warm = generate(target, [*prefix, 1, 2, 3, 4], max_tokens=1)
     pinned = warm[-1].worker_id
     wait_for(
         lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(pinned), timeout=30)) >= 8,
         30, "the shared prefix in the scheduler's index", 0.1,
     )
     time.sleep(1.0)  # every replica's view has it
-    streams = [Stream(target, p, **sampling) for p in prompts]
-    started = [s.first_token().worker_id for s in streams]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        done = list(pool.map(Stream.rest, streams))
+    try:
+        streams = [Stream(target, p, **sampling) for p in prompts]
+        started = [s.first_token().worker_id for s in streams]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(Stream.rest, streams))
+    finally:
+        for scheduler in cluster.schedulers:  # the default for the tests that follow
+            ray.get(scheduler.set_migration_transfer.remote(True), timeout=30)
     assert started == [pinned] * 4, "prefix affinity put every stream on one worker"
     for got, expected in zip(done, want, strict=True):
         assert tokens_of(got) == expected and got[-1].finish_reason == "length"
@@ -241,12 +256,26 @@ def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_uncha
     # GetStatus shows the hand-off: on the worker that gave it up, and for the pool.
     with grpc.insecure_channel(target) as channel:
 
-        def moved() -> dict[str, int]:
+        def in_status() -> dict[str, int]:
             (pool,) = pb_grpc.GenerationStub(channel).GetStatus(pb.StatusRequest(), timeout=30).pools
             return {"pool": pool.migrations, **{w.worker_id: w.migrations_out for w in pool.workers}}
 
-        wait_for(lambda: moved()[pinned] > 0 and moved()["pool"] >= moved()[pinned], 10,
+        wait_for(lambda: in_status()[pinned] > 0 and in_status()["pool"] >= in_status()[pinned], 10,
                  "the migration in GetStatus", 0.2)  # fmt: skip
+    stats = _all_workers_stats(cluster)
+
+    def grew(worker_id: str, key: str) -> int:
+        return int(stats[worker_id][key] - stats_before[worker_id][key])
+
+    exported = sum(grew(w, "kv_blocks_exported") for w in stats)
+    imported = sum(grew(w, "kv_blocks_imported") for w in stats)
+    if transfer:
+        # The blocks went along (the shared prefix's 8 and more); a target skips the
+        # ones it holds already.
+        assert 8 <= imported <= exported
+        assert all(grew(w, "kv_import_failures") == 0 for w in stats)
+    else:
+        assert exported == imported == 0
 
 
 def _replica_channel(target: str, avoid: str) -> tuple[grpc.Channel, pb_grpc.GenerationStub]:

@@ -29,3 +29,19 @@ def test_report_counters_exist_at_zero_before_their_first_event() -> None:
     body = generate_latest(metrics.registry).decode()
     assert 'prefix_cache_hits_total{pool="default",worker="w0"} 0.0' in body
     assert 'evictions_total{pool="default",worker="w0"} 0.0' in body
+
+
+def test_migration_counters_follow_the_reports_through_the_wire() -> None:
+    from pagefleet.worker.events import LoadReport
+
+    metrics = IngressMetrics()
+    stats = {"total": 8, "free": 8, "live": 0, "cached": 0, "peak_live": 0,
+             "kv_blocks_exported": 5, "kv_blocks_imported": 3, "kv_import_failures": 1}
+    report = LoadReport.decode(LoadReport.from_engine_stats("w0", "default", 1, stats).encode())
+    metrics.observe_report(report)
+    metrics.migrations.labels(pool="default", mode="transfer").inc()
+    body = generate_latest(metrics.registry).decode()
+    assert 'kv_migration_blocks_exported_total{pool="default",worker="w0"} 5.0' in body
+    assert 'kv_migration_blocks_imported_total{pool="default",worker="w0"} 3.0' in body
+    assert 'kv_migration_import_failures_total{pool="default",worker="w0"} 1.0' in body
+    assert 'migrations_total{mode="transfer",pool="default"} 1.0' in body

@@ -145,7 +145,7 @@ def test_push_of_a_worker_short_of_blocks_is_answered_with_a_migration_order(
         requests=(RequestLoad("a@r", 0, 1, 40), RequestLoad("b@r", 0, 2, 40)),
     ).encode()
     ack = ray.get(scheduler.push.remote("w0", short, no_events("w0")))
-    assert ack.migrate == (("b@r", "w1"),)  # the most recently admitted
+    assert ack.migrate == (("b@r", "w1", True),)  # the most recently admitted
     assert ray.get(scheduler.migration_stats.remote()) == {"chat": 1}
 
 

@@ -125,6 +125,14 @@ def test_migration_moves_the_lowest_priority_request_to_a_worker_with_room() -> 
     assert move == Migration("low", "w0", "w1", 10)
 
 
+def test_a_migration_moves_the_kv_blocks_unless_the_policy_says_recompute() -> None:
+    recompute = MigrationPolicy(margin_blocks=2, cooldown_s=10.0, transfer=False)
+    by_transfer = choose_migration(short_worker(NEW), [idle_worker()], BS, POLICY)
+    by_recompute = choose_migration(short_worker(NEW), [idle_worker()], BS, recompute)
+    assert by_transfer is not None and by_transfer.transfer
+    assert by_recompute is not None and not by_recompute.transfer
+
+
 def test_among_equal_priorities_the_most_recently_admitted_migrates() -> None:
     move = choose_migration(short_worker(OLD, NEW), [idle_worker()], BS, POLICY)
     assert move is not None and move.request_id == "new"

@@ -1,5 +1,7 @@
 """The worker's side of migration and of aborts from any ingress replica, without a cluster.
 
+A hand-off by KV transfer goes through the object store of an in-process Ray.
+
 A `WorkerActor` is a plain class: here it runs in-process around a tiny engine
 (no report loop), so the tests drive its streams directly.
 """
@@ -7,16 +9,19 @@ A `WorkerActor` is a plain class: here it runs in-process around a tiny engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import ray
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.worker.actor import WorkerActor
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine
 from pagefleet.worker.events import LoadReport
-from pagefleet.worker.wire import TokenDelta, WorkerRequest
+from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest
 
 BLOCK_SIZE = 4
 LONG = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -64,7 +69,7 @@ def test_a_handed_off_request_ends_its_stream_naming_the_target_and_frees_its_bl
         actor = _actor()
         stream = actor.generate(_request("k@r1", prompt))
         got = await _take(stream, 5)
-        actor._migrate("k@r1", "w1")
+        actor._migrate("k@r1", "w1", transfer=False)
         got += [d async for d in stream]
         return got, await _settled(actor)
 
@@ -169,3 +174,111 @@ def test_preemptions_that_keep_a_tenant_within_its_cap_do_not_mark_the_engine_sh
         engine.step()
     assert engine.scheduler.preemptions["recompute"] > 0  # the cap preempted
     assert engine.scheduler.block_preemptions == 0  # the pool never ran short
+
+
+# ----- migration by KV transfer (the object store of a local Ray) ---------------------
+
+CONTEXT = [5 + (11 * i) % 300 for i in range(30)]  # 7 full blocks of 4 and a partial one
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """An in-process Ray for `ray.put` / fetching a hand-off (no cluster, no actors)."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+async def _handed_off(source: WorkerActor, n_tokens: int) -> list[TokenDelta]:
+    """Stream CONTEXT on `source`, hand it off by transfer after `n_tokens` tokens."""
+    stream = source.generate(WorkerRequest("k@r1", tuple(CONTEXT), LONG, salt="t"))
+    got = await _take(stream, n_tokens)
+    source._migrate("k@r1", "w1", transfer=True)
+    return got + [d async for d in stream]
+
+
+async def _resume(target: WorkerActor, got: list[TokenDelta], kv: KVHandoff | None) -> list[TokenDelta]:
+    """What the ingress does on a hand-off: prompt + streamed tokens to the target."""
+    streamed = [t for d in got for t in d.token_ids]
+    params = SamplingParams(max_tokens=LONG.max_tokens - len(streamed), ignore_eos=True)
+    request = WorkerRequest("k@r1", (*CONTEXT, *streamed), params, salt="t", kv=kv)
+    return [d async for d in target.generate(request)]
+
+
+def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_the_tail(
+    offline: LLM, local_ray: None
+) -> None:
+    want = offline.generate(CONTEXT, LONG)[0].token_ids
+
+    async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int]]:
+        source, target = _actor(), _actor()
+        got = await _handed_off(source, 5)
+        rest = await _resume(target, got, got[-1].kv)
+        return got, rest, await _settled(source), await _settled(target)
+
+    got, rest, source_stats, target_stats = asyncio.run(main())
+    kv = got[-1].kv
+    assert got[-1].migrated_to == "w1" and kv is not None
+    context = len(CONTEXT) + sum(len(d.token_ids) for d in got)
+    assert len(kv.block_hashes) == (context - 1) // BLOCK_SIZE  # every full, written block
+    assert [t for d in got + rest for t in d.token_ids] == want
+    assert rest[-1].finish_reason == "length"
+    assert rest[0].cached_tokens == len(kv.block_hashes) * BLOCK_SIZE  # only the tail computed
+    assert source_stats["kv_blocks_exported"] == target_stats["kv_blocks_imported"] == len(kv.block_hashes)
+    assert target_stats["kv_import_failures"] == 0
+    for stats in (source_stats, target_stats):
+        assert stats["free"] + stats["cached"] == stats["total"]
+
+
+def test_a_hand_off_whose_blocks_cannot_be_fetched_is_recomputed_with_the_same_output(
+    offline: LLM, local_ray: None
+) -> None:
+    want = offline.generate(CONTEXT, LONG)[0].token_ids
+
+    def lost() -> None:  # local, so Ray ships it by value (the tests are no package on workers)
+        raise RuntimeError("the object's node is gone")
+
+    async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int]]:
+        source, target = _actor(), _actor()
+        got = await _handed_off(source, 5)
+        kv = got[-1].kv
+        assert kv is not None
+        # A hand-off whose object cannot be fetched: getting it raises.
+        failed = ray.remote(lost).options(num_cpus=0).remote()
+        rest = await _resume(target, got, dataclasses.replace(kv, blocks=failed))
+        await _settled(source)
+        await target.check_integrity()
+        return got, rest, await _settled(target)
+
+    got, rest, stats = asyncio.run(main())
+    assert [t for d in got + rest for t in d.token_ids] == want
+    assert rest[0].cached_tokens == 0  # recomputed
+    assert stats["kv_import_failures"] == 1 and stats["kv_blocks_imported"] == 0
+    assert stats["free"] + stats["cached"] == stats["total"]
+
+
+def test_an_abort_while_the_blocks_are_fetched_ends_the_request_before_it_runs(
+    local_ray: None,
+) -> None:
+    def slow() -> None:  # local, so Ray ships it by value
+        time.sleep(30)
+
+    async def main() -> tuple[list[TokenDelta], dict[str, int]]:
+        target = _actor()
+        kv = KVHandoff((b"\0" * 32,), ray.remote(slow).options(num_cpus=0).remote(), (1,), "float32")
+        stream = target.generate(WorkerRequest("k@r1", tuple(CONTEXT), LONG, salt="t", kv=kv))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.5)  # it waits for the object
+        assert not first.done()
+        await target.abort("k@r1")
+        got = [await first] + [d async for d in stream]
+        return got, await _settled(target)
+
+    got, stats = asyncio.run(main())
+    assert [d.finish_reason for d in got] == ["abort"] and not got[0].token_ids
+    assert stats["num_waiting"] == 0 and stats["free"] == stats["total"]

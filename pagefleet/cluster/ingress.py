@@ -20,7 +20,12 @@ streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
 the streams move by recompute, and the hung copies are aborted, so their
 blocks are freed as soon as the worker wakes. A stream the scheduler moves
 off a worker short of blocks (its last delta names the target worker) moves
-the same way, to that target.
+to that target, by KV transfer when its last delta carries the request's
+blocks (`KVHandoff`, with `scheduler.migration_transfer`): the ingress
+passes them on in the target's request, and the target imports them and
+recomputes only the partial tail block. When the stream cannot go to that
+target (it left routing meanwhile) it moves by recompute, and so does every
+failover: a dead worker's blocks are lost with it.
 
 Several ingress replicas can run side by side; each has its own wait queue,
 metrics and health, and tags the request ids it sends to workers with its
@@ -68,7 +73,7 @@ from pagefleet.cluster.router import Router
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.wire import TokenDelta, WorkerRequest
+from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +86,13 @@ class WorkerLeftRouting(Exception):
 
 
 class Migrated(Exception):
-    """The worker handed the stream off on the scheduler's order; it continues on `target`."""
+    """The worker handed the stream off on the scheduler's order; it continues on `target`
+    (with the request's KV blocks `kv`, when the order said to transfer them)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, kv: KVHandoff | None = None) -> None:
         super().__init__(target)
         self.target = target
+        self.kv = kv
 
 
 @dataclass
@@ -215,6 +222,8 @@ class Ingress:
         state: _Running | None = None
         finished = False
         migrate_to: str | None = None  # the scheduler's target after a hand-off
+        migrate_kv: KVHandoff | None = None  # the blocks the source handed off with it
+        kv: KVHandoff | None = None  # what goes to the next worker with the request
         try:
             routed = admitted if isinstance(admitted, WorkerSlot) else await admitted.future
             if routed is None:  # aborted while waiting: it never reached a worker
@@ -236,7 +245,7 @@ class Ingress:
                 state.tried.add(state.slot.worker_id)
                 state.slot.requests_routed += 1
                 try:
-                    async for item in self._stream(state.slot, req, prompt, params):
+                    async for item in self._stream(state.slot, req, prompt, params, kv):
                         if item.error is not None:
                             raise IngressError(ErrorCode(item.error_code), item.error)
                         if cached_tokens is None:
@@ -261,7 +270,7 @@ class Ingress:
                                 logprobs=None if item.logprobs is None else list(item.logprobs),
                             )
                         if item.migrated_to is not None:
-                            raise Migrated(item.migrated_to)
+                            raise Migrated(item.migrated_to, item.kv)
                         if finish is not None:
                             finished = True
                             self._observe_done(pool.name, started, first_token_at, len(streamed))
@@ -280,10 +289,8 @@ class Ingress:
                 except Migrated as exc:
                     # The scheduler moved it off a worker short of blocks; that worker
                     # freed its blocks already and stays a fine place for a later failover.
-                    migrate_to = exc.target
+                    migrate_to, migrate_kv = exc.target, exc.kv
                     state.tried.discard(state.slot.worker_id)
-                    if self.metrics is not None:
-                        self.metrics.migrations.labels(pool=pool.name).inc()
                 except (*WORKER_FAILURES, WorkerLeftRouting) as exc:
                     logger.warning(
                         "worker %s failed mid-stream of %s (%s); resubmitting",
@@ -306,11 +313,18 @@ class Ingress:
                     return
                 # After a hand-off: the scheduler's target, or (if it left routing since)
                 # any live worker, the source included; after a failure: an untried one.
+                moved_to = self._migration_target(state.slot, migrate_to)
                 state.slot = self.admission.move(
                     state.slot, req.key, [*prompt_ids, *streamed], req.salt, exclude=state.tried,
-                    target=self._migration_target(state.slot, migrate_to),
+                    target=moved_to,
                 )
-                migrate_to = None
+                # The blocks go only to the target the source exported them for; anywhere
+                # else (and after a failure) the request recomputes them.
+                kv = migrate_kv if moved_to is not None and state.slot is moved_to else None
+                if migrate_to is not None and self.metrics is not None:
+                    mode = "transfer" if kv is not None else "recompute"
+                    self.metrics.migrations.labels(pool=pool.name, mode=mode).inc()
+                migrate_to, migrate_kv = None, None
         finally:
             # A worker may have room now: `release` hands it to the next waiting request.
             if state is not None:
@@ -404,7 +418,12 @@ class Ingress:
         return f"{key}@{self.replica_id}"
 
     async def _stream(
-        self, slot: WorkerSlot, req: GenerationRequest, prompt: str | list[int], params: SamplingParams
+        self,
+        slot: WorkerSlot,
+        req: GenerationRequest,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv: KVHandoff | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """The worker's deltas; raises WorkerLeftRouting when the worker is hung mid-stream
         (a hung worker never ends the stream by itself).
@@ -423,6 +442,7 @@ class Ingress:
             params,
             req.priority,
             req.salt,
+            kv,
         )
         gen = slot.handle.generate.options(num_returns="streaming").remote(request)
         leaving = asyncio.ensure_future(left.wait())

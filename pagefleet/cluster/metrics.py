@@ -30,11 +30,23 @@ _WORKER_GAUGES = {
     "kv_offload_blocks": "offload_blocks",
 }
 
-# Counter name (exported with `_total`) -> (help, cumulative LoadReport field): the offload tier.
-_OFFLOAD_COUNTERS = {
+# Counter name (exported with `_total`) -> (help, cumulative LoadReport field): the offload
+# tier and migration by KV transfer.
+_REPORT_COUNTERS = {
     "kv_offload_hit_tokens": ("prompt tokens copied back from the offload tier", "offload_hit_tokens"),
     "kv_offload_bytes_in": ("bytes copied from the offload tier into the pool", "offload_bytes_in"),
     "kv_offload_bytes_out": ("bytes copied from the pool into the offload tier", "offload_bytes_out"),
+    # Migration by KV transfer.
+    "kv_migration_blocks_exported": (
+        "KV blocks handed off with migrated requests to other workers", "kv_blocks_exported"
+    ),
+    "kv_migration_blocks_imported": (
+        "KV blocks of migrated requests imported from other workers", "kv_blocks_imported"
+    ),
+    "kv_migration_import_failures": (
+        "migrated requests whose KV blocks could not be fetched or imported (recomputed)",
+        "kv_import_failures",
+    ),
 }
 
 
@@ -131,9 +143,9 @@ class IngressMetrics:
         self._evictions = _ReportCounter(
             Counter("evictions", "cached KV blocks evicted", labels, registry=self.registry)
         )
-        self._offload = {
+        self._report_counters = {
             field: _ReportCounter(Counter(name, doc, labels, registry=self.registry))
-            for name, (doc, field) in _OFFLOAD_COUNTERS.items()
+            for name, (doc, field) in _REPORT_COUNTERS.items()
         }
         self._preemptions = _ReportCounter(
             Counter("preemptions", "sequences preempted", (*labels, "mode"), registry=self.registry)
@@ -161,8 +173,9 @@ class IngressMetrics:
         )
         self.migrations = Counter(
             "migrations",
-            "streams moved off a worker short of blocks by the scheduler, resumed by recompute",
-            ("pool",),
+            "streams moved off a worker short of blocks by the scheduler, by mode (transfer: "
+            "the KV blocks went with the stream; recompute: the target recomputes them)",
+            ("pool", "mode"),
             registry=self.registry,
         )
         tenant_labels = (*labels, "tenant")
@@ -197,7 +210,7 @@ class IngressMetrics:
         self._prefix_queries.set_total(labels, report.prefix_query_tokens)
         self._prefix_hits.set_total(labels, report.prefix_hit_tokens)
         self._evictions.set_total(labels, report.evictions)
-        for field, counter in self._offload.items():
+        for field, counter in self._report_counters.items():
             counter.set_total(labels, getattr(report, field))
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
@@ -258,7 +271,7 @@ class IngressMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         counters = (self._prefix_queries, self._prefix_hits, self._evictions, self._preemptions,
-                    self._tenant_cap_refusals, *self._offload.values())  # fmt: skip
+                    self._tenant_cap_refusals, *self._report_counters.values())  # fmt: skip
         for counter in counters:
             counter.forget(labels)
         for tenant in self._tenant_series.pop(labels, set()):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +62,10 @@ class ReportAck:
     # Ingress replicas gone silent: abort the requests they sent (their clients are gone).
     dead_replicas: tuple[str, ...] = ()
     duplicated: tuple[bytes, ...] | None = None
-    # (request id, target worker id): hand these requests off; the ingress resumes each
-    # on the target by recompute (the worker is short of blocks, the target has room).
-    migrate: tuple[tuple[str, str], ...] = ()
+    # (request id, target worker id, transfer): hand these requests off, with their KV
+    # blocks when transfer is true; the ingress resumes each on the target (the worker
+    # is short of blocks, the target has room).
+    migrate: tuple[tuple[str, str, bool], ...] = ()
 
 
 class SchedulerActor:
@@ -129,7 +131,7 @@ class SchedulerActor:
         return ReportAck(
             self._state.generation, result.registered, result.evict_blocks, result.snapshot,
             self._state.dead_replicas(), result.duplicated,
-            () if move is None else ((move.request_id, move.target),),
+            () if move is None else ((move.request_id, move.target, move.transfer),),
         )
 
     async def subscribe(
@@ -202,6 +204,15 @@ class SchedulerActor:
             "snapshots": self._state.snapshots,
             "route_notes": self._state.route_notes,
         }
+
+    async def set_migration_transfer(self, transfer: bool) -> bool:
+        """Switch `scheduler.migration_transfer` at run time (a benchmark compares both ways
+        on one cluster); returns False when migration is off."""
+        policy = self._state.migration
+        if policy is None:
+            return False
+        self._state.migration = dataclasses.replace(policy, transfer=transfer)
+        return True
 
     async def migration_stats(self) -> dict[str, int]:
         """Migrations ordered per pool by this incarnation."""

@@ -119,12 +119,16 @@ class MigrationPolicy:
     many blocks (its own running sequences grow too). `cooldown_s`: a
     request migrates at most once in this long (no ping-pong). `reserve_s`:
     blocks promised to a target stay counted against its room this long, until
-    its reports show the moved request.
+    its reports show the moved request. `transfer`: the source hands the
+    request's KV blocks to the target through the object store (measured
+    cheaper than recomputing them, docs/benchmarks.md section 16); false:
+    the target recomputes them.
     """
 
     margin_blocks: int = 4
     cooldown_s: float = 10.0
     reserve_s: float = 2.0
+    transfer: bool = True
 
     def __post_init__(self) -> None:
         if self.margin_blocks < 0:
@@ -137,12 +141,14 @@ class MigrationPolicy:
 
 @dataclass(frozen=True)
 class Migration:
-    """Move `request_id` from `source` to `target` (by recompute); it needs `num_blocks` there."""
+    """Move `request_id` from `source` to `target`, its KV blocks with it when `transfer`
+    (else the target recomputes them); it needs `num_blocks` there."""
 
     request_id: str
     source: str
     target: str
     num_blocks: int
+    transfer: bool = True
 
 
 def choose_migration(
@@ -183,7 +189,9 @@ def choose_migration(
     ]
     for victim in victim_order(candidates):
         if victim.num_blocks <= room[best]:
-            return Migration(victim.request_id, source.worker_id, best, victim.num_blocks)
+            return Migration(
+                victim.request_id, source.worker_id, best, victim.num_blocks, policy.transfer
+            )
     return None
 
 

@@ -15,7 +15,14 @@ for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
 without anyone calling it. The push's ack may order a hand-off (migration):
 the worker aborts that request and ends its stream with `migrated_to`, and
-the ingress resumes it on the named worker by recompute.
+the ingress resumes it on the named worker. When the order says to transfer
+(`scheduler.migration_transfer`), the worker first copies the request's full,
+registered KV blocks out of its pool, between the same two engine steps as
+the abort, and puts them in the object store; the last delta carries them as
+a `KVHandoff`, and the target worker fetches and imports them as cached
+blocks before it admits the resumed request, so it recomputes only the
+partial tail block. A hand-off it cannot fetch (or import) in
+`KV_FETCH_TIMEOUT_S` is recomputed instead.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -35,13 +43,25 @@ from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
-from pagefleet.worker.wire import TokenDelta, WorkerRequest
+from pagefleet.worker.kv_migration import ExportedKV, from_bytes, to_bytes
+from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
 # Concurrent calls one worker accepts (streams + polls + aborts); the engine's
 # own max_num_seqs bounds what runs, the rest waits in its queue.
 MAX_CONCURRENCY = 1024
+
+# How long a target waits for a hand-off's KV blocks before it recomputes them instead.
+KV_FETCH_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Handoff:
+    """A request being handed off: where to, and (by transfer) its exported KV blocks."""
+
+    target: str
+    exported: asyncio.Future[ExportedKV | None] | None = None  # None: by recompute
 
 
 class WorkerActor:
@@ -75,7 +95,11 @@ class WorkerActor:
         self._kv_seq = 0
         self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
         self._active: set[str] = set()  # ids of the requests streaming now
-        self._migrating: dict[str, str] = {}  # request id -> worker it is handed to
+        self._migrating: dict[str, _Handoff] = {}  # request id -> where it is handed to
+        self._kv_import_failures = 0  # hand-offs whose blocks could not be fetched or imported
+        # Requests importing a hand-off's blocks, not in the engine yet: an abort meanwhile
+        # cancels the import, and the request ends there instead of being submitted.
+        self._importing: dict[str, asyncio.Task[None]] = {}
         self._preemptions_seen = 0
         self._migrations_out = 0  # hand-offs ordered by the scheduler, for GetStatus
         self._reporter: asyncio.Task[None] | None = None
@@ -95,6 +119,14 @@ class WorkerActor:
         self._active.add(request_id)
         prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
         try:
+            if request.kv is not None:
+                task = asyncio.ensure_future(self._import_kv(request_id, request.kv))
+                self._importing[request_id] = task
+                await asyncio.wait({task})
+                del self._importing[request_id]
+                if task.cancelled():  # aborted while importing
+                    yield TokenDelta(finish_reason="abort")
+                    return
             stream = self._engine.generate(
                 request_id, prompt, request.params, priority=request.priority, salt=request.salt
             )
@@ -103,23 +135,29 @@ class WorkerActor:
                 if out.error is not None:  # this request alone failed; the engine goes on
                     yield TokenDelta(error=out.error, error_code="internal")
                     return
-                target = self._migrating.get(request_id)
-                if target is not None and out.finish_reason == "abort":
+                handoff = self._migrating.get(request_id)
+                if handoff is not None and out.finish_reason == "abort":
                     # Handed off (its blocks are free already): the ingress resumes it there.
                     delta = TokenDelta.from_output(out)
-                    yield dataclasses.replace(delta, finish_reason=None, migrated_to=target)
+                    kv = await self._handoff_kv(request_id, handoff)
+                    yield dataclasses.replace(
+                        delta, finish_reason=None, migrated_to=handoff.target, kv=kv
+                    )
                     return
                 yield TokenDelta.from_output(out)
         except RequestError as exc:
             yield TokenDelta(error=str(exc))
         finally:
             self._active.discard(request_id)
+            importing = self._importing.pop(request_id, None)
+            if importing is not None:  # the caller left while the blocks were fetched
+                importing.cancel()
             self._migrating.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its blocks return to the pool
         between two engine steps, and its stream ends with finish_reason "abort"."""
-        self._engine.abort(request_id)
+        self._abort(request_id)
 
     async def abort_key(self, key: str) -> bool:
         """Abort the streaming request whose id is `key` tagged by any ingress replica
@@ -128,18 +166,68 @@ class WorkerActor:
         found = False
         for request_id in list(self._active):
             if request_id.rpartition("@")[0] == key:
-                self._engine.abort(request_id)
+                self._abort(request_id)
                 found = True
         return found
 
-    def _migrate(self, request_id: str, target: str) -> None:
+    def _abort(self, request_id: str) -> None:
+        importing = self._importing.get(request_id)
+        if importing is not None:
+            importing.cancel()
+        self._engine.abort(request_id)
+
+    def _migrate(self, request_id: str, target: str, *, transfer: bool) -> None:
         """Hand a request off on the scheduler's order: abort it here (its blocks return to
-        the pool between two steps) and end its stream with `migrated_to=target`."""
+        the pool between two steps) and end its stream with `migrated_to=target`; with
+        `transfer`, copy its registered blocks out first, between the same two steps."""
         if request_id in self._active and request_id not in self._migrating:
-            logger.info("worker %s: migrating %s to %s", self.worker_id, request_id, target)
-            self._migrating[request_id] = target
+            how = "transfer" if transfer else "recompute"
             self._migrations_out += 1
-            self._engine.abort(request_id)
+            logger.info("worker %s: migrating %s to %s by %s", self.worker_id, request_id, target, how)
+            if transfer:
+                self._migrating[request_id] = _Handoff(target, self._engine.export_and_abort(request_id))
+            else:
+                self._migrating[request_id] = _Handoff(target)
+                self._engine.abort(request_id)
+
+    async def _handoff_kv(self, request_id: str, handoff: _Handoff) -> KVHandoff | None:
+        """The exported blocks of a handed-off request, put in the object store (None:
+        by recompute, or nothing to move)."""
+        if handoff.exported is None:
+            return None
+        try:
+            exported = await handoff.exported
+        except Exception as exc:  # the target recomputes: slower, never wrong
+            logger.warning("worker %s: KV export of %s failed: %s", self.worker_id, request_id, exc)
+            return None
+        if exported is None:
+            return None
+        return KVHandoff(
+            exported.block_hashes,
+            ray.put(to_bytes(exported.blocks)),
+            tuple(exported.blocks.shape[1:]),
+            exported.dtype_name,
+        )
+
+    async def _import_kv(self, request_id: str, kv: KVHandoff) -> None:
+        """Fetch a hand-off's blocks and import them as cached blocks, before the request is
+        admitted; on any failure (object lost with its worker, timeout, another layout)
+        the request just recomputes them."""
+        try:
+            raw = await asyncio.wait_for(_fetch(kv.blocks), KV_FETCH_TIMEOUT_S)
+            blocks = from_bytes(raw, kv.dtype, kv.shape)
+            n = await self._engine.import_kv(list(kv.block_hashes), blocks)
+        except Exception as exc:
+            self._kv_import_failures += 1
+            logger.warning(
+                "worker %s: the KV blocks of %s could not be imported (%s: %s); recomputing",
+                self.worker_id, request_id, type(exc).__name__, exc,
+            )
+            return
+        logger.info(
+            "worker %s: imported %d of %d KV blocks of %s",
+            self.worker_id, n, len(kv.block_hashes), request_id,
+        )
 
     # ----- state --------------------------------------------------------
 
@@ -160,8 +248,14 @@ class WorkerActor:
         }
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's pool and queue counters (`LLMEngine.stats()`)."""
-        return dict(self._engine.stats())
+        """The engine's pool and queue counters (`LLMEngine.stats()`), and the hand-offs
+        whose KV blocks could not be imported (`kv_import_failures`)."""
+        return dict(self._stats())
+
+    def _stats(self) -> dict[str, int]:
+        stats = self._engine.stats()
+        stats["kv_import_failures"] = self._kv_import_failures
+        return stats
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks between two engine steps: those another worker
@@ -180,7 +274,7 @@ class WorkerActor:
     def _load_report(self) -> bytes:
         self._report_seq += 1
         claims = self._engine.block_claims()
-        stats = self._engine.stats()
+        stats = self._stats()
         # A preemption for want of a block since the last report means short of
         # blocks, even when the victim got back in before this report was taken.
         blocks_short, requests, self._preemptions_seen = self._engine.migration_load(
@@ -248,8 +342,8 @@ class WorkerActor:
                     snapshot = ack.snapshot
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))
-                    for request_id, target in ack.migrate:
-                        self._migrate(request_id, target)
+                    for request_id, target, transfer in ack.migrate:
+                        self._migrate(request_id, target, transfer=transfer)
                     if not ack.registered or ack.generation != generation:
                         generation = None  # the scheduler restarted: register again
                     else:
@@ -277,7 +371,7 @@ class WorkerActor:
             _, _, replica = request_id.rpartition("@")
             if replica in dead_replicas:
                 logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
-                self._engine.abort(request_id)
+                self._abort(request_id)
 
 
 def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
@@ -288,6 +382,10 @@ def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
         if at:
             out[replica] = out.get(replica, 0) + blocks
     return out
+
+
+async def _fetch(ref: Any) -> Any:
+    return await ref
 
 
 def _exit_for_restart(exc: BaseException) -> None:

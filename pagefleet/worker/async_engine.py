@@ -17,11 +17,14 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
 
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import BlockClaims, LLMEngine
 from pagefleet.worker.events import RequestLoad
+from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Finish reasons that end the whole request, whichever completion reached them first.
 _ENDS_REQUEST = ("abort", "error")
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -51,12 +56,12 @@ class _Stream:
         return True
 
 
-def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future[T], error: BaseException | None, result: Any = None) -> None:
     def apply() -> None:
         if fut.done():
             return
         if error is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(error)
 
@@ -146,6 +151,23 @@ class AsyncEngine:
 
         self._submit(abort)
 
+    def export_and_abort(self, request_id: str) -> asyncio.Future[ExportedKV | None]:
+        """Copy the request's registered blocks out (`LLMEngine.export_kv`), then abort it,
+        both between the same two steps; the future (on the caller's loop) gets the copy.
+
+        Its stream's abort delta comes later than the future's result.
+        """
+        def export() -> ExportedKV | None:
+            exported = self.engine.export_kv(request_id)
+            self.engine.abort_request(request_id)
+            return exported
+
+        return self._call(export)
+
+    async def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+        """`LLMEngine.import_kv` between two steps; returns how many blocks were written."""
+        return await self._call(lambda: self.engine.import_kv(block_hashes, blocks))
+
     def stats(self) -> dict[str, int]:
         """The engine's counters (waits for the current step to end)."""
         with self._lock:
@@ -220,6 +242,23 @@ class AsyncEngine:
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
         self._wake.set()
+
+    def _call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn` on the engine thread between two steps; its result (or error) comes
+        back in a future of the calling event loop."""
+        self._check_alive()
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as exc:
+                _resolve(fut, exc)
+                return
+            _resolve(fut, None, result)
+
+        self._submit(command)
+        return fut
 
     def _run(self) -> None:
         try:

@@ -153,6 +153,10 @@ class BlockPool:
         """The prefix hash `block_id` is registered under, if any."""
         return self._hash[block_id]
 
+    def block_of(self, block_hash: bytes) -> int:
+        """The block registered under `block_hash` (live or cached); KeyError if none is."""
+        return self._cached[block_hash]
+
     def is_cached(self, block_hash: bytes) -> bool:
         """Whether a block (live or cached) is registered under `block_hash`."""
         return block_hash in self._cached

@@ -26,6 +26,7 @@ from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
+from pagefleet.worker.kv_migration import ExportedKV, export_blocks, import_blocks
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.offload import HostOffloadTier, TierStats
 from pagefleet.worker.outputs import RequestOutput
@@ -90,6 +91,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
         self._num_aborted = 0
+        self._kv_blocks_exported = 0
+        self._kv_blocks_imported = 0
 
     def _num_kv_blocks(self, shape: ModelShape) -> int:
         cfg = self.config
@@ -212,6 +215,32 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self._pending.append(self._delta(seq))
         return True
+
+    def export_kv(self, request_id: str) -> ExportedKV | None:
+        """A host copy of the request's full, registered blocks with their prefix hashes,
+        to continue it on another worker (`kv_migration.export_blocks`).
+
+        None when the request is unknown, has several completions (a resumed
+        stream carries one), or holds no registered block (prefix caching off).
+        The request itself is untouched: the caller aborts it next.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.params.n != 1 or not self.config.enable_prefix_caching:
+            return None
+        seq = request.sequences[0]
+        hashes = seq.full_block_hashes(seq.num_tokens, self.config.block_size)
+        exported = export_blocks(self.pool, self.kv, hashes)
+        if exported is not None:
+            self._kv_blocks_exported += len(exported.block_hashes)
+        return exported
+
+    def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+        """Write blocks another worker exported into this pool as cached blocks under their
+        hashes (`kv_migration.import_blocks`); returns how many. A request for those
+        tokens (same tenant) then hits them instead of computing them."""
+        n = import_blocks(self.pool, self.kv, block_hashes, blocks)
+        self._kv_blocks_imported += n
+        return n
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
@@ -431,6 +460,8 @@ class LLMEngine:
             swap_used_bytes=sched.swap_used_bytes,
             cow_copies=sched.cow_copies,
             requests_aborted=self._num_aborted,
+            kv_blocks_exported=self._kv_blocks_exported,
+            kv_blocks_imported=self._kv_blocks_imported,
         )
         return out
 

@@ -25,6 +25,9 @@ _KV_OPS = {"removed": 0, "stored": 1, "offload_removed": 2, "offload_stored": 3}
 _KV_KINDS = {op: kind for kind, op in _KV_OPS.items()}
 # LoadReport fields of the offload tier: optional on the wire (older senders omit them).
 _OFFLOAD_FIELDS = ("offload_blocks", "offload_hit_tokens", "offload_bytes_in", "offload_bytes_out")
+_MIGRATION_FIELDS = ("kv_blocks_exported", "kv_blocks_imported", "kv_import_failures")
+# Int fields a report may lack (senders that predate them): 0 when absent.
+_OPTIONAL_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS
 
 
 class EventDecodeError(ValueError):
@@ -148,6 +151,11 @@ class LoadReport:
     offload_hit_tokens: int = 0
     offload_bytes_in: int = 0
     offload_bytes_out: int = 0
+    # Migration by KV transfer, cumulative: blocks handed off to other workers, blocks
+    # imported from them, and hand-offs whose blocks could not be fetched (recomputed).
+    kv_blocks_exported: int = 0
+    kv_blocks_imported: int = 0
+    kv_import_failures: int = 0
     # Cumulative tokens this worker incarnation has streamed out: the scheduler's
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
@@ -219,7 +227,7 @@ class LoadReport:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "incarnation": self.incarnation,
-                **{name: getattr(self, name) for name in _OFFLOAD_FIELDS},
+                **{name: getattr(self, name) for name in _OPTIONAL_INT_FIELDS},
                 "progress": self.progress,
                 "committed": self.committed_blocks,
                 # msgpack map keys must be strings here (strict_map_key)
@@ -262,7 +270,7 @@ class LoadReport:
             prefix_hit_tokens=_get(obj, "prefix_hit_tokens", int),
             # optional: absent in reports from senders that predate it
             incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
-            **{name: _get(obj, name, int) for name in _OFFLOAD_FIELDS if name in obj},
+            **{name: _get(obj, name, int) for name in _OPTIONAL_INT_FIELDS if name in obj},
             progress=_get(obj, "progress", int) if "progress" in obj else 0,
             # optional: absent in reports from senders that predate admission by claims
             committed_blocks=_get(obj, "committed", int) if "committed" in obj else 0,
@@ -339,7 +347,7 @@ class LoadReport:
             prefix_query_tokens=pick("prefix_query_tokens"),
             prefix_hit_tokens=pick("prefix_hit_tokens"),
             incarnation=incarnation,
-            **{name: pick(name) for name in _OFFLOAD_FIELDS},
+            **{name: pick(name) for name in _OPTIONAL_INT_FIELDS},
             progress=progress,
             committed_blocks=committed_blocks,
             priority_claims=dict(priority_claims or {}),

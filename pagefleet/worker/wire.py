@@ -4,7 +4,9 @@ The ingress tokenizes once and sends a `WorkerRequest` (token ids or, on a
 first attempt, the client's text, plus validated sampling params); the
 worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
 pickles, so no string-keyed dict crosses the boundary and a field rename is
-a type error, not a KeyError at run time.
+a type error, not a KeyError at run time. A migration by KV transfer adds a
+`KVHandoff` to the source's last delta, which the ingress passes on in the
+target's `WorkerRequest`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,36 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class KVHandoff:
+    """The KV blocks a worker handed a request off with (migration by transfer).
+
+    `blocks` is a Ray ObjectRef (owned by the source worker) of the blocks'
+    bytes (`kv_migration.to_bytes`): `len(block_hashes)` blocks of
+    `block_shape` (`[layers, 2, block_size, kv_heads, head_dim]`) in `dtype`,
+    `blocks[i]` registered under the chained prefix hash `block_hashes[i]`
+    (salted by the tenant, so only its requests can hit them).
+    """
+
+    block_hashes: tuple[bytes, ...]
+    blocks: Any
+    block_shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the whole host tensor: `[n, *block_shape]`."""
+        return (len(self.block_hashes), *self.block_shape)
+
+
+@dataclass(frozen=True)
 class WorkerRequest:
     """One generation request as a worker receives it.
 
     `request_id` is unique at the worker (the ingress tags it with its
-    replica id); `salt` is the tenant's prefix-cache salt.
+    replica id); `salt` is the tenant's prefix-cache salt. `kv`: the blocks
+    of this request another worker handed it off with; the worker imports
+    them before it admits the request (or, if they cannot be fetched,
+    recomputes them).
     """
 
     request_id: str
@@ -28,6 +55,7 @@ class WorkerRequest:
     params: SamplingParams
     priority: int = 0
     salt: str | None = None
+    kv: KVHandoff | None = None
 
 
 @dataclass(frozen=True)
@@ -42,7 +70,9 @@ class TokenDelta:
     `(token_id, logprob, ((id, logprob), ...))` per token of `token_ids`.
     `migrated_to` (a worker id) ends the stream without a finish: the worker
     handed the request off on the scheduler's order (its blocks are free
-    already), and the ingress resumes it there by recompute.
+    already), and the ingress resumes it there, with `kv` when the order
+    said to transfer the request's KV blocks (else, or without blocks to
+    move, the target recomputes them).
     """
 
     token_ids: tuple[int, ...] = ()
@@ -55,6 +85,7 @@ class TokenDelta:
     error_code: str = "invalid_argument"
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] | None = None
     migrated_to: str | None = None
+    kv: KVHandoff | None = None
 
     @classmethod
     def from_output(cls, out: Any) -> TokenDelta:
