@@ -134,10 +134,11 @@ class IngressDeployment:
         sends GOAWAY on every connection: running streams go on, and each client's next
         call opens a new connection, which the kernel gives to a replica still listening,
         instead of getting UNAVAILABLE here until the drain ends."""
-        stopping = (
-            asyncio.ensure_future(self.server.stop(grace=timeout_s + ABORT_GRACE_S + 2.0))
-            if hand_off else None
-        )  # fmt: skip
+        stopping = None
+        if hand_off:
+            stopping = asyncio.ensure_future(self.server.stop(grace=timeout_s + ABORT_GRACE_S + 2.0))
+            # Let the stop begin (GOAWAY, no new calls) before the drain refuses calls here.
+            await asyncio.sleep(0)
         aborted = await self.drain.wait(timeout_s)
         if self.http is not None:
             await self.http.stop(timeout_s=2.0)
