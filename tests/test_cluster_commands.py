@@ -107,3 +107,17 @@ def test_scale_help_names_every_flag_with_its_default(capsys: pytest.CaptureFixt
     for flag in ("--pool", "--workers", "--remove", "--timeout", "--drain-timeout", "--address"):
         assert flag in out
     assert "(default: 300.0)" in out and "(default: 60.0)" in out and "$RAY_ADDRESS or auto" in out
+
+
+def test_a_driver_connecting_by_address_sends_the_token_it_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagefleet.cluster.app import use_cluster_token
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert not use_cluster_token({})  # no token anywhere: the mode stays unset
+    assert use_cluster_token(env := {"RAY_AUTH_TOKEN": "secret"}) and env["RAY_AUTH_MODE"] == "token"
+    assert not use_cluster_token(env := {"RAY_AUTH_MODE": "disabled"}) and env["RAY_AUTH_MODE"] == "disabled"
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    assert use_cluster_token(env := {}) and env["RAY_AUTH_MODE"] == "token"

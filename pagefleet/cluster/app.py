@@ -270,6 +270,7 @@ def start_cluster(
                 include_dashboard=False,
             )
         else:
+            use_cluster_token()
             ray.init(address=address, namespace=NAMESPACE)
         started_ray = True
     namespace = ray.get_runtime_context().namespace
@@ -325,6 +326,32 @@ def start_cluster(
         ingress=handle,
         http_port=ports["http_port"],
     )
+
+
+def use_cluster_token(environ: dict[str, str] | None = None) -> bool:
+    """Before connecting to a running Ray cluster: send its auth token when one is at hand.
+
+    Ray (2.59 on) starts a local cluster with token authentication unless
+    `RAY_AUTH_MODE` says otherwise, but a driver that connects by address with
+    the mode unset sends no token and is refused (InvalidAuthToken). So when
+    the mode is unset and a token is there (`RAY_AUTH_TOKEN`,
+    `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token`), set `RAY_AUTH_MODE=token`.
+    Returns whether it did.
+    """
+    env = os.environ if environ is None else environ
+    if "RAY_AUTH_MODE" in env:
+        return False
+    home_token = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    if env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH") or os.path.isfile(home_token):
+        env["RAY_AUTH_MODE"] = "token"
+        if environ is None:
+            # Ray reads the mode into its config when imported: refresh it, as Ray's
+            # own token setup does when it turns token mode on.
+            from ray._raylet import Config  # type: ignore[attr-defined]  # compiled, no stub
+
+            Config.initialize("")
+        return True
+    return False
 
 
 def ingress_options(config: ClusterConfig) -> dict[str, Any]:

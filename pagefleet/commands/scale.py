@@ -61,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     import ray
 
-    from pagefleet.cluster.app import NAMESPACE
+    from pagefleet.cluster.app import NAMESPACE, use_cluster_token
     from pagefleet.cluster.membership import MembershipError, describe_change, get_membership
 
     if not ray.is_initialized():
+        use_cluster_token()
         try:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         except Exception as exc:  # no cluster there: one line, not Ray's traceback
