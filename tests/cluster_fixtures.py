@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -118,6 +118,20 @@ def offline_tiny() -> LLM:
     return LLM(
         model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
     )
+
+
+def wait_until_no_block_leaked(workers: Sequence[tuple[str, Any]], timeout_s: float = 60.0) -> None:
+    """Poll every `(worker_id, handle)` until none holds a live block and on each
+    free + cached == total; fail after `timeout_s`."""
+
+    def clean() -> bool:
+        for _, handle in workers:
+            s = ray.get(handle.stats.remote(), timeout=30)
+            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+                return False
+        return True
+
+    wait_for(clean, timeout_s, "every worker with free + cached == total and no live blocks", 0.2)
 
 
 def worker_stats(cluster: Any, worker_id: str) -> dict[str, Any]:

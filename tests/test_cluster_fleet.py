@@ -28,6 +28,7 @@ from cluster_fixtures import (
     small_cluster_config,
     tokens_of,
     wait_for,
+    wait_until_no_block_leaked,
     worker_stats,
 )
 
@@ -71,15 +72,7 @@ def offline() -> LLM:
 def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
     """After every test: on every worker no live block, and free + cached == total."""
     yield
-
-    def clean() -> bool:
-        for worker_id, _ in cluster.workers["default"]:
-            s = worker_stats(cluster, worker_id)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
-                return False
-        return True
-
-    wait_for(clean, 60, "every worker with free + cached == total and no live blocks", 0.2)
+    wait_until_no_block_leaked(cluster.workers["default"])
 
 
 class Stream:

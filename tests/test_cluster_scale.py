@@ -26,6 +26,7 @@ from cluster_fixtures import (
     small_cluster_config,
     tokens_of,
     wait_for,
+    wait_until_no_block_leaked,
 )
 from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -57,15 +58,7 @@ def offline() -> LLM:
 def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
     """After every test: on every worker of the pool no live block, free + cached == total."""
     yield
-
-    def clean() -> bool:
-        for _, handle in cluster.workers["default"]:
-            s = ray.get(handle.stats.remote(), timeout=30)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
-                return False
-        return True
-
-    wait_for(clean, 60, "every worker with free + cached == total and no live blocks", 0.2)
+    wait_until_no_block_leaked(cluster.workers["default"])
     for _, handle in cluster.workers["default"]:
         ray.get(handle.check_integrity.remote(), timeout=30)
 

@@ -190,7 +190,14 @@ def test_float32_diverges_from_hf_only_at_near_ties(
     model_dir, hf = llama_float32
     prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS) if i % 2 == 0]
     llm = LLM(model=model_dir, block_size=16, dtype="float32", max_num_batched_tokens=40)
-    got = generate(llm, prompts)
+    assert_equal_but_at_near_ties(hf, prompts, generate(llm, prompts), "float32 output", "HF's")
+    assert_pool_clean(llm)
+
+
+def assert_equal_but_at_near_ties(
+    hf: torch.nn.Module, prompts: list[list[int]], got: list[list[int]], what: str, whose: str
+) -> None:
+    """Each output equals HF's greedy one, or leaves it where HF's top-2 logits nearly tie."""
     for prompt, tokens in zip(prompts, got, strict=True):
         expected = hf_greedy(hf, prompt, MAX_NEW)
         if tokens == expected:
@@ -198,10 +205,9 @@ def test_float32_diverges_from_hf_only_at_near_ties(
         at = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
         gap = top2_gap(hf, prompt + expected[:at])
         assert gap < NEAR_TIE, (
-            f"float32 output diverges at generated token {at} where HF's top-2 logit gap is "
+            f"{what} diverges at generated token {at} where {whose} top-2 logit gap is "
             f"{gap:.3g} (not a near-tie): {tokens} != {expected}"
         )
-    assert_pool_clean(llm)
 
 
 @pytest.fixture(scope="module")
@@ -243,14 +249,7 @@ def test_float16_kv_in_float32_diverges_from_rounded_hf_only_at_near_ties(
     prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS) if i % 2 == 0]
     llm = LLM(model=model_dir, block_size=16, dtype="float32", kv_cache_dtype="float16",
               max_num_batched_tokens=40)
-    for prompt, tokens in zip(prompts, generate(llm, prompts), strict=True):
-        expected = hf_greedy(hf, prompt, MAX_NEW)
-        if tokens == expected:
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
-        gap = top2_gap(hf, prompt + expected[:at])
-        assert gap < NEAR_TIE, (
-            f"float16-KV output diverges at generated token {at} where the rounded HF's "
-            f"top-2 logit gap is {gap:.3g} (not a near-tie): {tokens} != {expected}"
-        )
+    assert_equal_but_at_near_ties(
+        hf, prompts, generate(llm, prompts), "float16-KV output", "the rounded HF's"
+    )
     assert_pool_clean(llm)
