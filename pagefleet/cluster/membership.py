@@ -118,14 +118,6 @@ class Membership:
         """`{pool: [(worker_id, actor handle), ...]}`, draining workers included."""
         return {pool: [(m.worker_id, m.handle) for m in ms] for pool, ms in self._members.items()}
 
-    def namespace(self) -> str:
-        """The Ray namespace of the worker and scheduler actors."""
-        return self._namespace
-
-    def sizes(self) -> dict[str, int]:
-        """Workers per pool that serve (draining ones not counted)."""
-        return {pool: sum(not m.draining for m in ms) for pool, ms in self._members.items()}
-
     # ----- changes --------------------------------------------------------
 
     async def scale(
