@@ -196,9 +196,9 @@ class Ingress:
             # on the first request.
             self._prompts.tokenizer(pool)
         deadline = time.monotonic() + timeout_s
-        while not all(slot.alive or slot.draining for slot in self.slots.all()):
+        while not all(slot.streaming for slot in self.slots.all()):
             if time.monotonic() > deadline:
-                missing = [s.worker_id for s in self.slots.all() if not (s.alive or s.draining)]
+                missing = [s.worker_id for s in self.slots.all() if not s.streaming]
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {missing}")
             await asyncio.sleep(0.05)
 
@@ -387,7 +387,7 @@ class Ingress:
             slot.handle.abort_key.remote(key)
             for name in pools
             for slot in self.slots.pool(name)
-            if slot.alive or slot.draining
+            if slot.streaming
         ]
         answers = await asyncio.gather(*calls, return_exceptions=True)
         if any(answer is True for answer in answers):
@@ -455,7 +455,7 @@ class Ingress:
                         {step, leaving}, timeout=stall_s, return_when=asyncio.FIRST_COMPLETED
                     )
                     # (A draining worker is out of routing too, but finishes its streams.)
-                    if not step.done() and (leaving.done() or not (slot.alive or slot.draining)):
+                    if not step.done() and (leaving.done() or not slot.streaming):
                         step.cancel()
                         raise WorkerLeftRouting(slot.worker_id)
                 item = step.result()

@@ -66,6 +66,11 @@ class WorkerSlot:
     claims: dict[str, Claim] = field(default_factory=dict)
 
     @property
+    def streaming(self) -> bool:
+        """Its streams run there: alive, or draining (out of routing, finishing them)."""
+        return self.alive or self.draining
+
+    @property
     def in_flight(self) -> int:
         """Requests of this replica running (or queued) at the worker now."""
         return len(self.claims)
