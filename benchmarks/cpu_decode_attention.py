@@ -1,4 +1,4 @@
-"""Where one CPU decode step's attention time goes, float32 against float16 KV.
+"""One CPU decode step's attention: the C kernel against per-sequence SDPA, and its parts.
 
 The issue-9 workload at mid-decode: SmolLM2-135M shapes (30 layers, 9 query
 heads over 3 KV heads, head dim 64, blocks of 16), 32 sequences whose prompts
@@ -8,10 +8,14 @@ layer has its own cache, so a step reads its K/V from memory, not from a
 cache the previous layer warmed.
 
 Rows, each CPU time per layer (one thread, median over interleaved rounds):
-the CPU paged attention on a float32 cache (`kv_cache_dtype` auto) and on a
-float16 cache; and its parts on the float32 cache: the slot gather alone,
-the SDPA calls alone on already gathered K/V, and SDPA on one-token contexts
-(the fixed cost of 32 calls). `--quick`: 4 layers, 2 rounds.
+the CPU paged attention with the C decode kernel (`cpu_decode`, the default)
+and with it switched off (`PAGEFLEET_CPU_DECODE=off`: one SDPA call per
+sequence, the previous path), each on a float32 cache (`kv_cache_dtype`
+auto) and on a float16 cache; the parts of the SDPA path on the float32
+cache: the slot gather alone, the SDPA calls alone on already gathered K/V,
+and SDPA on one-token contexts (the fixed cost of 32 calls); and the floor:
+one pass over the K/V bytes the step reads (a sum over a contiguous copy of
+them). `--quick`: 4 layers, 2 rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagefleet.kernels.cpu_attention import paged_attention_cpu
+from pagefleet.kernels.cpu_decode import SWITCH_ENV
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 16, 3, 9, 64
 
@@ -82,8 +87,11 @@ def main() -> None:
     print(f"{len(ctx)} sequences, {sum(ctx)} cached tokens, {layers} layers: "
           f"{cache32[0].nbytes / 1e6:.1f} MB of float32 K/V per layer")
 
-    def attention(cache: torch.Tensor) -> Callable[[], None]:
+    read = torch.cat([torch.cat(kv) for kv in gathered[0]])  # the bytes a layer's step reads
+
+    def attention(cache: torch.Tensor, fused: bool) -> Callable[[], None]:
         def run() -> None:
+            os.environ[SWITCH_ENV] = "on" if fused else "off"
             for i in range(layers):
                 paged_attention_cpu(query, cache[i, 0], cache[i, 1], block_tables, qsl, lens, scale)
         return run
@@ -106,12 +114,19 @@ def main() -> None:
                     F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True)
         return run
 
+    def floor() -> None:
+        for _ in range(layers):
+            read.sum()
+
     methods = {
-        "paged attention, float32 KV (auto)": attention(cache32),
-        "paged attention, float16 KV": attention(cache16),
+        "C kernel, float32 KV (auto)": attention(cache32, True),
+        "C kernel, float16 KV": attention(cache16, True),
+        "per-sequence SDPA, float32 KV": attention(cache32, False),
+        "per-sequence SDPA, float16 KV": attention(cache16, False),
         "  float32 part: slot gather only": gather,
         "  float32 part: SDPA only (gathered K/V)": sdpa(False),
         "  float32 part: SDPA fixed cost (1-token contexts)": sdpa(True),
+        "one pass over the K/V bytes read (float32)": floor,
     }
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     per_layer: dict[str, list[float]] = {name: [] for name in methods}
@@ -120,8 +135,10 @@ def main() -> None:
             start = time.process_time()
             fn()
             per_layer[name].append((time.process_time() - start) / layers * 1e3)
-    base = statistics.median(per_layer["paged attention, float32 KV (auto)"])
-    print(f"\n{'method':52s} {'median ms/layer':>16s} {'min':>7s} {'vs float32':>11s}")
+    os.environ.pop(SWITCH_ENV)
+    base = statistics.median(per_layer["per-sequence SDPA, float32 KV"])
+    print(f"{read.nbytes / 1e6:.1f} MB of float32 K/V read per layer")
+    print(f"\n{'method':52s} {'median ms/layer':>16s} {'min':>7s} {'vs SDPA f32':>12s}")
     for name, values in per_layer.items():
         median = statistics.median(values)
         print(f"{name:52s} {median:16.2f} {min(values):7.2f} {median / base:10.2f}x")

@@ -43,7 +43,10 @@ Greedy outputs that differ from HF one-at-a-time are printed with HF's top-2
 logit gap at the first difference (a near-tie or a bug).
 
 `--compare-attention` adds pagefleet on the padded reference attention (the
-test oracle) in the same rounds, against the per-sequence CPU path it serves with.
+test oracle) in the same rounds, against the CPU path it serves with.
+`--compare-decode-kernel` adds pagefleet with the C decode kernel switched off
+(`PAGEFLEET_CPU_DECODE=off`: one SDPA call per decode sequence, the path
+before the kernel) in the same rounds, and compares their greedy outputs.
 
 `--quick`: the built-in tiny model, 4 short requests, 1 round (a smoke run).
 """
@@ -65,6 +68,7 @@ import _engine_bench as common
 import torch
 import torch.nn.functional as F
 
+from pagefleet.kernels.cpu_decode import SWITCH_ENV as DECODE_SWITCH_ENV
 from pagefleet.kernels.dispatch import BACKEND_ENV
 from pagefleet.worker.config import KV_CACHE_DTYPES
 
@@ -340,7 +344,8 @@ def f32_gguf(gguf: Path) -> Path:
     """
     import gguf as gguf_lib
 
-    from pagefleet.worker.model_files import GGUF_CACHE_SUBDIR, default_cache_root
+    from pagefleet.cache_root import default_cache_root
+    from pagefleet.worker.model_files import GGUF_CACHE_SUBDIR
 
     out = default_cache_root() / GGUF_CACHE_SUBDIR / f"{gguf.stem}-f32.gguf"
     if out.exists() and out.stat().st_mtime >= gguf.stat().st_mtime:
@@ -518,6 +523,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--compare-attention", action="store_true",
                         help="also run pagefleet on the padded reference attention (the oracle)")
+    parser.add_argument("--compare-decode-kernel", action="store_true",
+                        help="also run pagefleet with the C decode kernel off, in the same rounds")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
                         help="pagefleet's KV cache dtype; more than one: each in every round "
                         "(the first is the 'pagefleet' row the ratios use), greedy outputs "
@@ -527,6 +534,7 @@ def main() -> None:
                                  "breakdown"])
     args = parser.parse_args()
     os.environ.pop(BACKEND_ENV, None)
+    os.environ.pop(DECODE_SWITCH_ENV, None)
     if args.quick:
         args.model, args.requests, args.output_tokens = "tiny", 4, 4
         args.sequential, args.rounds = 4, 1
@@ -599,6 +607,13 @@ def main() -> None:
                 times["pagefleet_reference"].append(pagefleet_run(llm, prompts, n_out)[0])
             finally:
                 del os.environ[BACKEND_ENV]
+        if args.compare_decode_kernel:
+            os.environ[DECODE_SWITCH_ENV] = "off"  # read at every call: this run only
+            try:
+                timing, variant_outs["pagefleet_sdpa_decode"] = pagefleet_run(llm, prompts, n_out)
+                times["pagefleet_sdpa_decode"].append(timing)
+            finally:
+                del os.environ[DECODE_SWITCH_ENV]
         if "padded" not in args.skip:
             times["padded"].append(hf_padded_batch(hf, prompts, n_out, pad_id))
         if "generate_batch" not in args.skip and hasattr(hf, "generate_batch"):
@@ -635,6 +650,7 @@ def main() -> None:
         "pagefleet": f"pagefleet LLM.generate (kv_cache_dtype {args.kv_cache_dtype[0]})",
         **{k: f"pagefleet, kv_cache_dtype {k.rsplit(' ', 1)[1]}" for k in variants},
         "pagefleet_reference": "pagefleet, padded reference attention",
+        "pagefleet_sdpa_decode": "pagefleet, decode by per-sequence SDPA (C kernel off)",
         "padded": "HF generate, padded batch",
         "generate_batch": "transformers generate_batch",
         "sequential": f"HF generate, one at a time ({same[1] if same else 0} requests)",
@@ -657,7 +673,7 @@ def main() -> None:
     print(f"\nfloor: prefill {fp.cpu:.2f} CPU s ({sum(lens)} tokens in chunks of {chunk}), "
           f"decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
     print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor (CPU time)")
-    peers = ("pagefleet_reference", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS)
+    peers = ("pagefleet_reference", "pagefleet_sdpa_decode", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS)
     for key in peers:
         if times[key]:
             ratio = min(t.cpu for t in times[key]) / best_pf

@@ -1,14 +1,22 @@
-"""The per-sequence CPU paged attention (the CPU serving path) against the float64 oracle."""
+"""The CPU paged attention (the CPU serving path) against the float64 oracle.
+
+Every oracle check runs both decode paths: the C kernel (`cpu_decode`, the
+default) and, with it switched off, one SDPA call per sequence.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from pagefleet.kernels import paged_attention
+from pagefleet.kernels import cpu_decode, paged_attention
 from pagefleet.kernels.cpu_attention import paged_attention_cpu
 from pagefleet.kernels.reference import paged_attention_reference
 from pagefleet.kernels.testing import PagedBatch, make_paged_batch, naive_attention
@@ -39,13 +47,19 @@ def consecutive(b: PagedBatch) -> PagedBatch:
 
 
 def assert_matches_oracle(b: PagedBatch, sliding_window: int | None = None) -> None:
-    out = torch.full_like(b.query, float("nan"))
-    paged_attention_cpu(*b.kernel_args(), b.query.shape[-1] ** -0.5,
-                        sliding_window=sliding_window, out=out)
     expected = naive_attention(b, b.query.shape[-1] ** -0.5, sliding_window)
     tol = TOLERANCE[b.query.dtype]
-    assert not torch.isnan(out).any(), "some output element was never written"
-    torch.testing.assert_close(out.to(torch.float64), expected, rtol=tol, atol=tol)
+    for switch in ("on", "off"):  # the C decode kernel, then one SDPA call per sequence
+        os.environ[cpu_decode.SWITCH_ENV] = switch
+        try:
+            out = torch.full_like(b.query, float("nan"))
+            paged_attention_cpu(*b.kernel_args(), b.query.shape[-1] ** -0.5,
+                                sliding_window=sliding_window, out=out)
+        finally:
+            del os.environ[cpu_decode.SWITCH_ENV]
+        assert not torch.isnan(out).any(), f"decode kernel {switch}: an element never written"
+        torch.testing.assert_close(out.to(torch.float64), expected, rtol=tol, atol=tol,
+                                   msg=lambda m, switch=switch: f"decode kernel {switch}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -142,7 +156,7 @@ def test_narrow_cache_differs_from_the_float32_path_only_by_summation_order(
                          zip(b.query_start_loc[:-1].tolist(), q_lens, strict=True) if n > 1])
     # Prefill chunks run the same per-sequence SDPA on the same float32 values: identical.
     assert torch.equal(got[prefill], per_sequence[prefill])
-    # Decode tokens run batched matmuls: float32 rounding of the same sums (a few ulp
+    # Decode tokens run the C kernel: float32 rounding of the same sums (a few ulp
     # of the largest |v|), no more.
     bound = 8 * torch.finfo(torch.float32).eps * float(wide.v_cache.abs().nan_to_num().max())
     torch.testing.assert_close(got, reference, rtol=0, atol=bound)
@@ -152,3 +166,49 @@ def test_a_narrow_cache_step_serves_layers_of_different_windows() -> None:
     b = narrow_batch([1] * 10, [3, 30, 12, 9, 41, 17, 5, 26, 8, 33], torch.float16, seed=23)
     for window in (None, 4, None, 4):  # layers of a mixed-window model share one step plan
         assert_matches_oracle(b, window)
+
+
+# ----- the C decode kernel itself -------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_the_decode_kernel_builds_here_and_serves_every_dtype_pair_it_names() -> None:
+    for q_dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                              (torch.float32, torch.bfloat16), (torch.float64, torch.float64)]:
+        assert cpu_decode.decode_kernel(q_dtype, kv_dtype) is not None, (q_dtype, kv_dtype)
+    # Half-precision queries keep the SDPA path (it computes in float32 there).
+    assert cpu_decode.decode_kernel(torch.bfloat16, torch.bfloat16) is None
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, and the library built again on first use (then restored)."""
+    monkeypatch.setenv("PAGEFLEET_CACHE_DIR", str(tmp_path))
+    cpu_decode._library.cache_clear()
+    yield tmp_path
+    cpu_decode._library.cache_clear()
+
+
+def test_a_compiler_that_fails_leaves_decode_on_the_sdpa_path(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "false")  # found on PATH, exits 1
+    b = batch([1, 4, 1], [19, 9, 33], torch.float32, seed=14)
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+        assert cpu_decode.decode_kernel(torch.float32, torch.float32) is None
+        assert_matches_oracle(b)
+    warnings = [r.getMessage() for r in caplog.records if r.name == cpu_decode.__name__]
+    assert len(warnings) == 1 and "building the CPU decode kernel failed" in warnings[0]
+    assert "exited 1" in warnings[0]
+    assert not list(fresh_build.glob("kernels/*.so"))  # nothing half-written left behind
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_the_kernel_is_built_once_into_the_cache_and_reused(fresh_build: Path) -> None:
+    assert cpu_decode.decode_kernel(torch.float32, torch.float32) is not None
+    built = list(fresh_build.glob("kernels/cpu_decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_decode._library.cache_clear()  # a new process on the same node
+    assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
+    assert [p.stat().st_mtime_ns for p in fresh_build.glob("kernels/*.so")] == [stamp]

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 from smollm2 import SMOLLM2, smollm2_dir, smollm2_gguf
 
+from pagefleet.cache_root import default_cache_root
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.llm import LLM
 from pagefleet.worker.model_files import (
@@ -21,7 +22,7 @@ from pagefleet.worker.model_files import (
 )
 from pagefleet.worker.model_runner import ModelRunner
 from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.tiny_model import default_cache_root, ensure_tiny_model
+from pagefleet.worker.tiny_model import ensure_tiny_model
 
 
 def _copy_tiny(tmp_path: Path, *names: str) -> Path:

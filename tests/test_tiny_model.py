@@ -14,11 +14,11 @@ from hf_models import check_diverse, hf_greedy, load_hf_reference
 from transformers import AutoTokenizer
 
 import pagefleet
+from pagefleet.cache_root import CACHE_DIR_ENV
 from pagefleet.worker.kv_cache import KVCache
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.tiny_model import (
     BOS_ID,
-    CACHE_DIR_ENV,
     EOS_ID,
     TINY_VOCAB_SIZE,
     ensure_tiny_model,

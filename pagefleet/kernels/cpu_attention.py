@@ -1,4 +1,4 @@
-"""Paged attention for CPU serving: one SDPA call per sequence, no padded gather.
+"""Paged attention for CPU serving: the C kernel for decode tokens, SDPA per sequence for the rest.
 
 The reference (`reference.py`, the test oracle) gathers every sequence's
 context into one padded batch per layer and masks it: on a CPU that copy,
@@ -12,16 +12,15 @@ attention itself. Here each sequence attends on its own:
   a decode token needs no mask, and only a chunk after cached context (or a
   sliding window) builds a small ``[q_len, context]`` mask.
 
-A cache stored narrower than the float32 compute (``kv_cache_dtype``
-"float16") has to be converted before the matmuls anyway, so its decode
-tokens take another path: sequences sorted by context length go in buckets of
-`DECODE_BUCKET`, each bucket's slots gathered and converted into one padded
-head-major float32 buffer, scores and weighted sums by batched matmul, the
-padding masked with -inf (fewer, larger ops than one SDPA call per sequence;
-the same math in float32, in another summation order). A float32 or float64
-cache, and every prefill chunk, keep the per-sequence path.
+Decode tokens (one query row per sequence) go to the C kernel
+(`cpu_decode`) in one call per layer: it reads each sequence's K/V straight
+from the cache through its block table, with no gather and no per-sequence
+call, in float32 over a float32, float16 or bfloat16 cache and in float64
+over a float64 cache. Where it cannot be built (no C compiler) or is switched
+off, decode tokens take the per-sequence SDPA path too, a narrow cache
+widened per sequence.
 
-The per-step plan (views or slot indexes, decode buckets) is made once per
+The per-step plan (views or slot indexes, the decode rows) is made once per
 step and reused by every layer: layers receive the same metadata tensors. The
 loop is over sequences, never over tokens.
 """
@@ -34,16 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagefleet.kernels.reference import _check_cache_pair, _gather_rows, workspace
-
-# Decode sequences per batched-matmul bucket on a narrow (float16/bfloat16) cache.
-# SmolLM2 shapes, 32 sequences of 80-430 tokens, one thread: 4 and 8 beat one SDPA
-# per sequence by 27% and 37%, 16 only by 12% (the padding to the bucket's longest).
-DECODE_BUCKET = 8
+from pagefleet.kernels.cpu_decode import decode_kernel, fits
+from pagefleet.kernels.reference import _check_cache_pair
 
 
 @dataclass(frozen=True)
 class _SeqPlan:
+    index: int  # its row in the block tables
     q_start: int
     q_len: int
     ctx: int
@@ -52,49 +48,36 @@ class _SeqPlan:
 
 
 @dataclass(frozen=True)
-class _DecodeBucket:
-    rows: torch.Tensor  # [n] query rows (decode tokens) of its sequences
-    slots: torch.Tensor  # [n * width] each sequence's slots, padded with its first
-    bias: torch.Tensor  # [n, 1, 1, width] float32: 0 on a sequence's context, -inf past it
-    width: int
+class _DecodeRows:
+    """The decode sequences of a step as the C kernel takes them (int64 each)."""
+
+    rows: torch.Tensor  # query (and output) row
+    seq: torch.Tensor  # row in the block tables
+    start: torch.Tensor  # first position attended (a sliding window moves it)
+    ctx: torch.Tensor  # context length
 
 
 class _StepPlan:
-    """The per-sequence plans of one step, and its decode buckets per sliding window."""
+    """The per-sequence plans of one step, and its decode rows per sliding window."""
 
-    def __init__(self, seqs: list[_SeqPlan], block_size: int) -> None:
+    def __init__(self, seqs: list[_SeqPlan]) -> None:
         self.seqs = seqs
-        self.block_size = block_size
         self.decode = [p for p in seqs if p.q_len == 1]
-        self._buckets: dict[int | None, list[_DecodeBucket]] = {}
+        self._rows: dict[int | None, _DecodeRows] = {}
 
-    def buckets(self, sliding_window: int | None) -> list[_DecodeBucket]:
-        """Decode sequences by context length (last `sliding_window` positions), in buckets."""
-        cached = self._buckets.get(sliding_window)
-        if cached is not None:
-            return cached
-        spans = []
-        for p in self.decode:
-            start = 0 if sliding_window is None else max(0, p.ctx - sliding_window)
-            if p.slots is None:
-                lo = p.first_block * self.block_size
-                slots = torch.arange(lo + start, lo + p.ctx)
-            else:
-                slots = p.slots[start:]
-            spans.append((p.q_start, slots))
-        spans.sort(key=lambda span: span[1].shape[0])
-        buckets = []
-        for i in range(0, len(spans), DECODE_BUCKET):
-            group = spans[i : i + DECODE_BUCKET]
-            width = group[-1][1].shape[0]
-            lens = torch.tensor([s.shape[0] for _, s in group])
-            padded = [torch.cat([s, s[:1].expand(width - s.shape[0])]) for _, s in group]
-            past = torch.arange(width)[None, :] >= lens[:, None]
-            bias = torch.zeros(past.shape).masked_fill_(past, float("-inf"))
-            rows = torch.tensor([q for q, _ in group])
-            buckets.append(_DecodeBucket(rows, torch.cat(padded), bias[:, None, None, :], width))
-        self._buckets[sliding_window] = buckets
-        return buckets
+    def decode_rows(self, sliding_window: int | None) -> _DecodeRows:
+        """The decode sequences, each over its last `sliding_window` positions (or all)."""
+        cached = self._rows.get(sliding_window)
+        if cached is None:
+            ctx = [p.ctx for p in self.decode]
+            start = [0 if sliding_window is None else max(0, c - sliding_window) for c in ctx]
+            cached = _DecodeRows(
+                *(torch.tensor(v, dtype=torch.long)
+                  for v in ([p.q_start for p in self.decode], [p.index for p in self.decode],
+                            start, ctx))
+            )  # fmt: skip
+            self._rows[sliding_window] = cached
+        return cached
 
 
 _plans = threading.local()
@@ -120,12 +103,12 @@ def _plan(
         n = -(-c // block_size)
         row = tables[i][:n]
         if row == list(range(row[0], row[0] + n)):
-            plans.append(_SeqPlan(qsl[i], qsl[i + 1] - qsl[i], c, row[0], None))
+            plans.append(_SeqPlan(i, qsl[i], qsl[i + 1] - qsl[i], c, row[0], None))
         else:
             blocks = torch.tensor(row, dtype=torch.long)
             slots = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:c]
-            plans.append(_SeqPlan(qsl[i], qsl[i + 1] - qsl[i], c, -1, slots))
-    step = _StepPlan(plans, block_size)
+            plans.append(_SeqPlan(i, qsl[i], qsl[i + 1] - qsl[i], c, -1, slots))
+    step = _StepPlan(plans)
     # Holds the metadata tensors of the last step alive until the next: a few KiB.
     _plans.entry = (key, step)
     return step
@@ -148,7 +131,7 @@ def paged_attention_cpu(
 
     Softmax runs in float32 for half-precision inputs, else in the input's
     dtype (float64 stays float64: the exact path). A float16/bfloat16 cache
-    under a float32 query is read as float32 (decode tokens in buckets).
+    under a float32 query is read as float32.
     """
     _check_cache_pair(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -166,13 +149,10 @@ def paged_attention_cpu(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = num_q_heads != num_kv_heads
     step = _plan(block_tables, query_start_loc, context_lens, block_size)
-    narrow_cache = query.dtype == torch.float32 and k_cache.dtype != torch.float32
-    if narrow_cache:
-        for bucket in step.buckets(sliding_window):
-            _attend_decode_bucket(query, k_flat, v_flat, bucket, scale, out)
+    fused = _decode_fused(query, k_cache, v_cache, block_tables, step, scale, sliding_window, out)
     for p in step.seqs:
-        if narrow_cache and p.q_len == 1:
-            continue  # done in its bucket
+        if fused and p.q_len == 1:
+            continue  # done by the C kernel
         if p.slots is None:
             lo = p.first_block * block_size
             k, v = k_flat[lo : lo + p.ctx], v_flat[lo : lo + p.ctx]
@@ -203,28 +183,27 @@ def paged_attention_cpu(
     return out
 
 
-def _attend_decode_bucket(
+def _decode_fused(
     query: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    bucket: _DecodeBucket,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    step: _StepPlan,
     scale: float,
+    sliding_window: int | None,
     out: torch.Tensor,
-) -> None:
-    """One decode token per sequence of `bucket`, over its slots of a narrow cache, in float32."""
-    n, width = bucket.rows.shape[0], bucket.width
-    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-    num_q_heads = query.shape[1]
-    kv = []
-    for name, flat in (("k", k_flat), ("v", v_flat)):
-        raw = _gather_rows(flat, bucket.slots, name).view(n, width, num_kv_heads, head_dim)
-        # Converted into head-major float32: contiguous [width, head_dim] per (sequence, head).
-        full = workspace(f"{name}_float32", (n, num_kv_heads, width, head_dim), torch.float32)
-        full.copy_(raw.transpose(1, 2))
-        kv.append(full)
-    # A GQA group's query heads are the rows of one matmul against their KV head.
-    q = query.index_select(0, bucket.rows).view(n, num_kv_heads, num_q_heads // num_kv_heads, -1)
-    scores = torch.matmul(q, kv[0].transpose(2, 3)).mul_(scale).add_(bucket.bias)
-    weights = torch.softmax(scores, dim=-1)
-    result = torch.matmul(weights, kv[1])  # [n, kv_heads, group, head_dim]
-    out.index_copy_(0, bucket.rows, result.view(n, num_q_heads, head_dim))
+) -> bool:
+    """Every decode token of the step through the C kernel; False when it does not apply."""
+    if not step.decode:
+        return False
+    kernel = decode_kernel(query.dtype, k_cache.dtype)
+    dense = (
+        fits(query) and fits(out) and out.dtype == query.dtype
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    )  # fmt: skip
+    if kernel is None or not dense:
+        return False
+    d = step.decode_rows(sliding_window)
+    kernel(query, k_cache, v_cache, block_tables, d.rows, d.seq, d.start, d.ctx, scale, out)
+    return True

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagefleet.cache_root import default_cache_root
 from pagefleet.worker import progress
-from pagefleet.worker.tiny_model import default_cache_root
 
 TINY = "tiny"
 GGUF_CACHE_SUBDIR = "gguf"

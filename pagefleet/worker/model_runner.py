@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pagefleet.kernels.cpu_decode import decode_kernel
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
 from pagefleet.worker.model_files import check_weights, load_tokenizer, resolve_model_path
 from pagefleet.worker.paged_attention_hf import (
@@ -202,6 +203,9 @@ class ModelRunner:
         self.sliding_windows = check_supported(self.hf_config)
         check_weights(self.model_path)
         register_paged_attention()
+        if self.device.type == "cpu":
+            # Build (or load) the C decode kernel now rather than in the first request's step.
+            decode_kernel(self.dtype, self.kv_dtype)
         # A server's log is no place for a progress bar per worker start.
         hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(

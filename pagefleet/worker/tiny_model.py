@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pagefleet.cache_root import default_cache_root
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -42,9 +43,6 @@ PAD_TOKEN = "<pad>"
 # Ids 0, 1, 2 in this order: the trainer places special tokens first.
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
-
-CACHE_DIR_ENV = "PAGEFLEET_CACHE_DIR"
-
 
 def corpus_text() -> str:
     """The tokenizer's training text, shipped as package data."""
@@ -116,12 +114,6 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=tiny_model_config().max_position_embeddings,
     )
-
-
-def default_cache_root() -> Path:
-    """`$PAGEFLEET_CACHE_DIR`, else `~/.cache/pagefleet`."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "pagefleet"
 
 
 def tiny_model_dir_name() -> str:

@@ -1,0 +1,178 @@
+"""The C decode-attention kernel (`cpu_decode.c`): built on first use, called through ctypes.
+
+`cpu_attention` hands it every decode token of a step in one call per layer.
+It is compiled with the system C compiler (``$CC``, else ``cc``) into
+``<cache root>/kernels/`` (`pagefleet.cache_root`), once per node and source
+version; the file name carries a digest of the source, the flags, the
+compiler and the CPU, so a shared home directory never hands one CPU's build
+to another. Where no compiler works, `decode_kernel` returns None once the
+build has failed (logged once) and decode tokens take the per-sequence SDPA
+path. ``PAGEFLEET_CPU_DECODE=off`` turns the kernel off (the benchmarks'
+comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pagefleet.cache_root import default_cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+
+# (query dtype, cache dtype) -> the C function for them.
+_FUNCTIONS = {
+    (torch.float32, torch.float32): "pf_decode_f32",
+    (torch.float32, torch.float16): "pf_decode_f32_f16",
+    (torch.float32, torch.bfloat16): "pf_decode_f32_bf16",
+    (torch.float64, torch.float64): "pf_decode_f64",
+}
+_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64,  # q, q_row_stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # k, v, slot_stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # rows, tables, table_stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # seq, start, ctx
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # n_seqs, block_size, kv_heads
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_double,  # group, head_dim, scale
+    ctypes.c_void_p, ctypes.c_int64,  # out, out_row_stride
+]  # fmt: skip
+
+DecodeKernel = Callable[..., None]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (what -march=native builds for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines = {}
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in wanted and key not in lines:
+            lines[key] = line
+    return f"{platform.machine()} " + "\n".join(lines[k] for k in sorted(lines))
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernel into the cache (atomically: concurrent builds are harmless)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_signature().encode()):  # fmt: skip
+        digest.update(part)
+        digest.update(b"\0")
+    target = default_cache_root() / "kernels" / f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", scratch, str(SOURCE), "-lm"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning(
+            "no C compiler (%s) found: CPU decode attention runs one SDPA call per sequence "
+            "(slower); install one (e.g. gcc) for the fused kernel",
+            os.environ.get("CC", "cc"),
+        )
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning(
+            "building the CPU decode kernel failed, decode attention runs one SDPA call per "
+            "sequence (slower): %s", exc,
+        )  # fmt: skip
+        return None
+    for name in _FUNCTIONS.values():
+        fn = getattr(lib, name)
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def enabled() -> bool:
+    """False when ``PAGEFLEET_CPU_DECODE`` is off/0/false."""
+    return os.environ.get(SWITCH_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeKernel | None:
+    """The kernel for this query and cache dtype, or None (no compiler, switched off,
+    or a pair it does not do: half-precision queries)."""
+    name = _FUNCTIONS.get((query_dtype, cache_dtype))
+    if name is None or not enabled():
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+
+    def run(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        rows: torch.Tensor,
+        seq: torch.Tensor,
+        start: torch.Tensor,
+        ctx: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Decode rows `rows` of `query` into the same rows of `out` (see `cpu_decode.c`)."""
+        _, num_q_heads, head_dim = query.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        status = fn(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            num_kv_heads * head_dim, rows.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq.data_ptr(), start.data_ptr(), ctx.data_ptr(),
+            rows.shape[0], block_size, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
+            scale, out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch row")
+
+    return run
+
+
+def fits(tensor: torch.Tensor) -> bool:
+    """True when `tensor` ``[rows, heads, head_dim]`` has dense heads (any row stride)."""
+    return tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]
