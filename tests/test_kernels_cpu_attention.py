@@ -171,6 +171,23 @@ def test_a_narrow_cache_step_serves_layers_of_different_windows() -> None:
 # ----- the C decode kernel itself -------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [
+    (9, 3, 64), (4, 2, 128), (3, 3, 24), (4, 1, 20),
+], ids=["gqa-64", "gqa-128", "mha-24", "mqa-20-no-kernel"])  # fmt: skip
+def test_every_head_shape_matches_oracle(
+    dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # 64 and 128 run the kernel's specialised bodies, 24 its general one; 20 is no
+    # multiple of its 8 lanes, so those decode tokens take SDPA.
+    b = make_paged_batch([1, 1, 6, 1, 1], [37, 16, 6, 1, 90], num_q_heads=q_heads,
+                         num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype,
+                         seed=head_dim)
+    assert cpu_decode.shape_fits(kv_heads, head_dim) == (head_dim % 8 == 0)
+    assert_matches_oracle(b)
+    assert_matches_oracle(b, sliding_window=7)
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 def test_the_decode_kernel_builds_here_and_serves_every_dtype_pair_it_names() -> None:
     for q_dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.float16),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagefleet.kernels.cpu_decode import decode_kernel, fits
+from pagefleet.kernels.cpu_decode import decode_kernel, fits, shape_fits
 from pagefleet.kernels.reference import _check_cache_pair
 
 
@@ -198,7 +198,8 @@ def _decode_fused(
         return False
     kernel = decode_kernel(query.dtype, k_cache.dtype)
     dense = (
-        fits(query) and fits(out) and out.dtype == query.dtype
+        shape_fits(k_cache.shape[2], query.shape[2])
+        and fits(query) and fits(out) and out.dtype == query.dtype
         and k_cache.is_contiguous() and v_cache.is_contiguous()
         and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     )  # fmt: skip

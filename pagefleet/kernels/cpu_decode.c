@@ -3,15 +3,23 @@
  * Every decode token (one query row per sequence) attends over its sequence's
  * context straight from the cache's own layout, [num_blocks, block_size,
  * kv_heads, head_dim], through its block table: no gather copy, no padding, no
- * per-sequence call. Per (sequence, KV head), the GQA group's query heads share
- * each key and value row as it is read, the scores of the whole context go to a
- * scratch row, the softmax subtracts their maximum (as SDPA does), and the
- * weighted sum of the values is accumulated in the compute type.
+ * per-sequence call. Per sequence, positions are walked block by block and
+ * each slot's whole row (every KV head, contiguous) is read once, in order,
+ * the same row of the next block prefetched (blocks are scattered in memory):
+ * the GQA group's query heads share each key and value row as it is read. The
+ * scores of the context go to a scratch row per query head, the softmax
+ * subtracts their maximum (as SDPA does), and the weighted sum of the values
+ * is accumulated in the compute type.
+ *
+ * Vectors are GCC/Clang vector extensions (8 floats or 4 doubles), so the same
+ * source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of 8
+ * (the Python side checks). float32 computes over a float32, float16 or
+ * bfloat16 cache (a narrow row is widened as it is read, with F16C where the
+ * CPU has it) and takes e^x from an 8-lane polynomial (within 1 ulp of expf);
+ * float64 over a float64 cache (the exact path) takes libm's exp.
  *
  * Built by pagefleet/kernels/cpu_decode.py with the system C compiler on first
- * use (-O3 -march=native -fopenmp-simd), loaded through ctypes, which releases
- * the GIL for the call. Compute types: float32 (over a float32, float16 or
- * bfloat16 cache) and float64 (over a float64 cache, the exact path).
+ * use, loaded through ctypes, which releases the GIL for the call.
  */
 
 #include <math.h>
@@ -23,9 +31,67 @@
 #endif
 
 typedef _Float16 f16_t;
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
 
+#define MAX_ROW 4096    /* kv_heads * head_dim of one slot, at most */
+#define MAX_CHUNKS 64   /* head_dim / lanes, at most (head_dim 256 in float64) */
 
-/* Widen `width` cache elements into `dst` (float); F16C converts 8 halves at once. */
+static inline v8f load_v8f(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline v4d load_v4d(const double *p) {
+    v4d x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline float hsum_v8f(v8f x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+static inline double hsum_v4d(v4d x) { return (x[0] + x[2]) + (x[1] + x[3]); }
+static inline v8f max_v8f(v8f a, v8f b) {
+    const v8i keep = a >= b;
+    return (v8f)(((v8i)a & keep) | ((v8i)b & ~keep));
+}
+static inline v4d max_v4d(v4d a, v4d b) {
+    const v4l keep = a >= b;
+    return (v4d)(((v4l)a & keep) | ((v4l)b & ~keep));
+}
+
+/* e^x for x <= 0, 8 lanes: Cephes' expf polynomial, within 1 ulp of expf; below
+ * -87.3 (where e^x leaves float32's normal range, and for -inf) it gives 0. */
+static inline v8f exp_v8f(v8f x) {
+    const v8f lo = (v8f){0} - 87.33654f, magic = (v8f){0} + 12582912.0f; /* 1.5 * 2^23 */
+    const v8i under = x < lo;
+    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
+    const v8f t = x * 1.44269504088896341f + magic;
+    const v8f n = t - magic; /* x / ln 2, rounded to the nearest integer */
+    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i pow2 = (((v8i)t - (v8i)magic) + 127) << 23;
+    return (v8f)((v8i)(p * (v8f)pow2) & ~under);
+}
+static inline v4d exp_v4d(v4d x) {
+    for (int i = 0; i < 4; i++) x[i] = exp(x[i]);
+    return x;
+}
+
+/* Ask for the cache lines of one slot row (`bytes` long) ahead of their use. */
+static inline void prefetch_row(const void *row, size_t bytes) {
+    for (size_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)row + x);
+}
+
+/* Widen `width` cache elements into `dst`. */
 static inline void widen_f16(const f16_t *src, int64_t width, float *dst) {
     int64_t x = 0;
 #ifdef __F16C__
@@ -35,13 +101,12 @@ static inline void widen_f16(const f16_t *src, int64_t width, float *dst) {
     for (; x < width; x++) dst[x] = (float)src[x];
 }
 static inline void widen_bf16(const uint16_t *src, int64_t width, float *dst) {
-#pragma omp simd
     for (int64_t x = 0; x < width; x++) {
         const uint32_t bits = (uint32_t)src[x] << 16; /* bfloat16 is float32's top half */
         memcpy(dst + x, &bits, sizeof bits);
     }
 }
-/* Not called: the same-width instantiations use the cache row in place. */
+/* Not called: a cache of the compute type is read in place. */
 static inline void widen_none(const void *src, int64_t width, void *dst) {
     (void)src, (void)width, (void)dst;
 }
@@ -54,116 +119,142 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  *   seq[i]       its row in the block tables
  *   start[i], ctx[i]  the positions it attends: [start, ctx)
  *   out          output rows, like q (out_row_stride)
- * Returns 0, or -1 when the scratch rows could not be allocated.
+ * Returns 0; -1 when the scratch rows could not be allocated; -2 when a slot
+ * row is wider than MAX_ROW or head_dim is no multiple of 8.
  *
- * The body is inlined once per common head_dim (64, 128) so that the row loops
- * have a constant trip count, and once for any other. A narrow cache row is
- * widened into a buffer first (one vector conversion), then used like a float
- * row. Positions are walked block by block: no division per position.
+ * The per-sequence body is inlined once for head_dim 64, once for 128 and
+ * once for any other, so the common row loops have constant trip counts.
  */
-#define MAX_ROW 4096 /* kv_heads * head_dim of one slot, at most */
-
-#define DEFINE_DECODE(NAME, T, KV_T, WIDEN, EXP)                                              \
-    static inline __attribute__((always_inline)) void NAME##_seq(                           \
-        const T *qr, const KV_T *k, const KV_T *v, int64_t slot_stride,                     \
-        const int32_t *table, int64_t lo, int64_t hi, int64_t block_size,                   \
-        int64_t kv_heads, int64_t group, const int64_t head_dim, T s, T *scores,            \
-        int64_t longest, T *acc, T *row_buf, T *o) {                                        \
-        const int64_t n = hi - lo, heads = kv_heads * group, width = kv_heads * head_dim;   \
-        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                              \
-            const int64_t base = (int64_t)table[b] * block_size;                            \
-            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;         \
-                 j++, t++) {                                                                \
-                const KV_T *kr = k + (base + j) * slot_stride;                              \
-                const T *kw = (const T *)kr;                                                \
-                if (sizeof(KV_T) != sizeof(T)) {                                            \
-                    WIDEN(kr, width, row_buf);                                              \
-                    kw = row_buf;                                                           \
-                }                                                                           \
-                for (int64_t h = 0; h < kv_heads; h++) {                                    \
-                    for (int64_t g = 0; g < group; g++) {                                   \
-                        const T *qg = qr + (h * group + g) * head_dim;                      \
-                        const T *kh = kw + h * head_dim;                                    \
-                        T dot = 0;                                                          \
-                        _Pragma("omp simd reduction(+ : dot)")                              \
-                        for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kh[d];        \
-                        scores[(h * group + g) * longest + t] = dot * s;                    \
-                    }                                                                       \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
-        for (int64_t r = 0; r < heads; r++) {                                               \
-            T *row = scores + r * longest;                                                  \
-            T top = row[0];                                                                 \
-            for (int64_t t = 1; t < n; t++) top = row[t] > top ? row[t] : top;              \
-            T sum = 0;                                                                      \
-            for (int64_t t = 0; t < n; t++) {                                               \
-                row[t] = EXP(row[t] - top);                                                 \
-                sum += row[t];                                                              \
-            }                                                                               \
-            const T inv = (T)1 / sum;                                                       \
-            for (int64_t t = 0; t < n; t++) row[t] *= inv;                                  \
-        }                                                                                   \
-        for (int64_t x = 0; x < heads * head_dim; x++) acc[x] = 0;                          \
-        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                              \
-            const int64_t base = (int64_t)table[b] * block_size;                            \
-            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;         \
-                 j++, t++) {                                                                \
-                const KV_T *vr = v + (base + j) * slot_stride;                              \
-                const T *vw = (const T *)vr;                                                \
-                if (sizeof(KV_T) != sizeof(T)) {                                            \
-                    WIDEN(vr, width, row_buf);                                              \
-                    vw = row_buf;                                                           \
-                }                                                                           \
-                for (int64_t h = 0; h < kv_heads; h++) {                                    \
-                    for (int64_t g = 0; g < group; g++) {                                   \
-                        const T w = scores[(h * group + g) * longest + t];                  \
-                        T *ag = acc + (h * group + g) * head_dim;                           \
-                        const T *vh = vw + h * head_dim;                                    \
-                        _Pragma("omp simd")                                                 \
-                        for (int64_t d = 0; d < head_dim; d++) ag[d] += w * vh[d];          \
-                    }                                                                       \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
-        for (int64_t x = 0; x < heads * head_dim; x++) o[x] = acc[x];                       \
-    }                                                                                       \
-                                                                                            \
-    int NAME(const T *q, int64_t q_row_stride, const KV_T *k, const KV_T *v,                \
-             int64_t slot_stride, const int64_t *rows, const int32_t *tables,               \
-             int64_t table_stride, const int64_t *seq, const int64_t *start,                \
-             const int64_t *ctx, int64_t n_seqs, int64_t block_size, int64_t kv_heads,      \
-             int64_t group, int64_t head_dim, double scale, T *out,                         \
-             int64_t out_row_stride) {                                                      \
-        if (kv_heads * head_dim > MAX_ROW) return -2;                                       \
-        int64_t longest = 1;                                                                \
-        for (int64_t i = 0; i < n_seqs; i++)                                                \
-            if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                   \
-        const int64_t heads = kv_heads * group;                                             \
-        T *scores = malloc(sizeof(T) * (size_t)(heads * longest + heads * head_dim));       \
-        if (scores == NULL) return -1;                                                      \
-        T *acc = scores + heads * longest;                                                  \
-        T row_buf[MAX_ROW];                                                                 \
-        const T s = (T)scale;                                                               \
-        for (int64_t i = 0; i < n_seqs; i++) {                                              \
-            const int32_t *table = tables + seq[i] * table_stride;                          \
-            const T *qr = q + rows[i] * q_row_stride;                                       \
-            T *o = out + rows[i] * out_row_stride;                                          \
-            if (head_dim == 64)                                                             \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,      \
-                           kv_heads, group, 64, s, scores, longest, acc, row_buf, o);       \
-            else if (head_dim == 128)                                                       \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,      \
-                           kv_heads, group, 128, s, scores, longest, acc, row_buf, o);      \
-            else                                                                            \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,      \
-                           kv_heads, group, head_dim, s, scores, longest, acc, row_buf, o); \
-        }                                                                                   \
-        free(scores);                                                                       \
-        return 0;                                                                           \
+#define DEFINE_DECODE(NAME, T, VT, W, KV_T, WIDEN, LOAD, HSUM, VMAX, VEXP)                    \
+    static inline __attribute__((always_inline)) void NAME##_seq(                             \
+        const T *qr, const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, \
+        int64_t lo, int64_t hi, int64_t block_size, int64_t kv_heads, int64_t group,          \
+        const int64_t head_dim, T scale, T *scores, int64_t longest, VT *acc, T *row_buf,     \
+        T *o) {                                                                               \
+        const int64_t n = hi - lo, heads = kv_heads * group, chunks = head_dim / W;           \
+        const int64_t width = kv_heads * head_dim;                                            \
+        /* Scores: every position's key row, all heads. */                                    \
+        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                \
+            const int64_t base = (int64_t)table[b] * block_size;                              \
+            const int64_t next = (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size \
+                                                           : -1;                              \
+            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;           \
+                 j++, t++) {                                                                  \
+                const KV_T *kr = k + (base + j) * slot_stride;                                \
+                if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */ \
+                    prefetch_row(k + (next + j) * slot_stride, slot_stride * sizeof(KV_T));  \
+                const T *kw = (const T *)kr;                                                  \
+                if (sizeof(KV_T) != sizeof(T)) {                                              \
+                    WIDEN(kr, width, row_buf);                                                \
+                    kw = row_buf;                                                             \
+                }                                                                             \
+                for (int64_t h = 0; h < kv_heads; h++) {                                      \
+                    VT kc[MAX_CHUNKS]; /* the head's key, loaded once for its group */        \
+                    for (int64_t c = 0; c < chunks; c++) kc[c] = LOAD(kw + h * head_dim + W * c); \
+                    for (int64_t g = 0; g < group; g++) {                                     \
+                        const T *qg = qr + (h * group + g) * head_dim;                        \
+                        VT dot = LOAD(qg) * kc[0];                                            \
+                        for (int64_t c = 1; c < chunks; c++) dot += LOAD(qg + W * c) * kc[c]; \
+                        scores[(h * group + g) * longest + t] = HSUM(dot) * scale;            \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        /* Softmax per query head, over rows padded to W lanes with -inf (weight 0). */       \
+        const int64_t padded = (n + W - 1) / W * W;                                           \
+        for (int64_t r = 0; r < heads; r++) {                                                 \
+            T *row = scores + r * longest;                                                    \
+            for (int64_t t = n; t < padded; t++) row[t] = -INFINITY;                          \
+            VT top = LOAD(row);                                                               \
+            for (int64_t t = W; t < padded; t += W) top = VMAX(top, LOAD(row + t));           \
+            T m = top[0];                                                                     \
+            for (int i = 1; i < W; i++) m = top[i] > m ? top[i] : m;                          \
+            VT sum = {0};                                                                     \
+            for (int64_t t = 0; t < padded; t += W) {                                         \
+                const VT e = VEXP(LOAD(row + t) - m);                                         \
+                sum += e;                                                                     \
+                memcpy(row + t, &e, sizeof e);                                                \
+            }                                                                                 \
+            const T inv = (T)1 / HSUM(sum);                                                   \
+            for (int64_t t = 0; t < n; t++) row[t] *= inv;                                    \
+        }                                                                                     \
+        /* Weighted sum: every position's value row, all heads. */                            \
+        for (int64_t x = 0; x < heads * chunks; x++) acc[x] = (VT){0};                        \
+        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                \
+            const int64_t base = (int64_t)table[b] * block_size;                              \
+            const int64_t next = (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size \
+                                                           : -1;                              \
+            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;           \
+                 j++, t++) {                                                                  \
+                const KV_T *vr = v + (base + j) * slot_stride;                                \
+                if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */ \
+                    prefetch_row(v + (next + j) * slot_stride, slot_stride * sizeof(KV_T));  \
+                const T *vw = (const T *)vr;                                                  \
+                if (sizeof(KV_T) != sizeof(T)) {                                              \
+                    WIDEN(vr, width, row_buf);                                                \
+                    vw = row_buf;                                                             \
+                }                                                                             \
+                for (int64_t h = 0; h < kv_heads; h++) {                                      \
+                    VT vc[MAX_CHUNKS];                                                        \
+                    for (int64_t c = 0; c < chunks; c++) vc[c] = LOAD(vw + h * head_dim + W * c); \
+                    for (int64_t g = 0; g < group; g++) {                                     \
+                        const T w = scores[(h * group + g) * longest + t];                    \
+                        VT *ag = acc + (h * group + g) * chunks;                              \
+                        for (int64_t c = 0; c < chunks; c++) ag[c] += w * vc[c];              \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        memcpy(o, acc, sizeof(VT) * (size_t)(heads * chunks));                                \
+    }                                                                                         \
+                                                                                              \
+    int NAME(const T *q, int64_t q_row_stride, const KV_T *k, const KV_T *v,                  \
+             int64_t slot_stride, const int64_t *rows, const int32_t *tables,                 \
+             int64_t table_stride, const int64_t *seq, const int64_t *start,                  \
+             const int64_t *ctx, int64_t n_seqs, int64_t block_size, int64_t kv_heads,        \
+             int64_t group, int64_t head_dim, double scale, T *out,                           \
+             int64_t out_row_stride) {                                                        \
+        if (kv_heads * head_dim > MAX_ROW || head_dim % 8 != 0 || head_dim / W > MAX_CHUNKS) \
+            return -2;                    \
+        int64_t longest = 1;                                                                  \
+        for (int64_t i = 0; i < n_seqs; i++)                                                  \
+            if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
+        longest = (longest + W - 1) / W * W;                                                  \
+        const int64_t heads = kv_heads * group;                                               \
+        T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                            \
+        /* Vectors are 32-byte aligned: malloc promises 16 only. */                           \
+        VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));             \
+        if (scores == NULL || acc == NULL) {                                                  \
+            free(scores);                                                                     \
+            free(acc);                                                                        \
+            return -1;                                                                        \
+        }                                                                                     \
+        T row_buf[MAX_ROW];                                                                   \
+        for (int64_t i = 0; i < n_seqs; i++) {                                                \
+            const int32_t *table = tables + seq[i] * table_stride;                            \
+            const T *qr = q + rows[i] * q_row_stride;                                         \
+            T *o = out + rows[i] * out_row_stride;                                            \
+            if (head_dim == 64)                                                               \
+                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
+                           kv_heads, group, 64, (T)scale, scores, longest, acc, row_buf, o);  \
+            else if (head_dim == 128)                                                         \
+                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
+                           kv_heads, group, 128, (T)scale, scores, longest, acc, row_buf, o); \
+            else                                                                              \
+                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
+                           kv_heads, group, head_dim, (T)scale, scores, longest, acc,         \
+                           row_buf, o);                                                       \
+        }                                                                                     \
+        free(scores);                                                                         \
+        free(acc);                                                                            \
+        return 0;                                                                             \
     }
 
-DEFINE_DECODE(pf_decode_f32, float, float, widen_none, expf)
-DEFINE_DECODE(pf_decode_f32_f16, float, f16_t, widen_f16, expf)
-DEFINE_DECODE(pf_decode_f32_bf16, float, uint16_t, widen_bf16, expf)
-DEFINE_DECODE(pf_decode_f64, double, double, widen_none, exp)
+#define DEFINE_F32(NAME, KV_T, WIDEN) \
+    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, max_v8f, exp_v8f)
+
+DEFINE_F32(pf_decode_f32, float, widen_none)
+DEFINE_F32(pf_decode_f32_f16, f16_t, widen_f16)
+DEFINE_F32(pf_decode_f32_bf16, uint16_t, widen_bf16)
+DEFINE_DECODE(pf_decode_f64, double, v4d, 4, double, widen_none, load_v4d, hsum_v4d, max_v4d,
+              exp_v4d)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 
 # (query dtype, cache dtype) -> the C function for them.
 _FUNCTIONS = {
@@ -167,12 +167,25 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
             rows.shape[0], block_size, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
             scale, out.data_ptr(), out.stride(0),
         )  # fmt: skip
+        if status == -1:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch rows")
         if status != 0:
-            raise MemoryError("the CPU decode kernel could not allocate its scratch row")
+            raise ValueError(f"the CPU decode kernel refused head shape {tuple(query.shape[1:])}")
 
     return run
+
+
+# Bounds of the kernel's stack buffers (`MAX_ROW`, `MAX_CHUNKS` in cpu_decode.c).
+MAX_SLOT_ROW = 4096
+MAX_HEAD_DIM = 256
 
 
 def fits(tensor: torch.Tensor) -> bool:
     """True when `tensor` ``[rows, heads, head_dim]`` has dense heads (any row stride)."""
     return tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]
+
+
+def shape_fits(num_kv_heads: int, head_dim: int) -> bool:
+    """True for the head shapes the kernel takes: head_dim a multiple of 8 (its vector
+    lanes), at most `MAX_HEAD_DIM`, and a slot row of at most `MAX_SLOT_ROW` elements."""
+    return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM and num_kv_heads * head_dim <= MAX_SLOT_ROW
