@@ -232,11 +232,19 @@ def test_scheduler_policy_none_turns_eviction_ahead_of_need_off() -> None:
 
 def test_scheduler_migration_is_on_by_default_and_can_be_turned_off() -> None:
     on = ClusterConfig.from_dict({"pools": [{"name": "default"}]}).scheduler.migration_policy()
-    assert on is not None and on.margin_blocks == 4 and on.cooldown_s == 10.0 and on.transfer
-    recompute = ClusterConfig.from_dict(
-        {"pools": [{"name": "default"}], "scheduler": {"migration_transfer": False}}
-    ).scheduler.migration_policy()
-    assert recompute is not None and not recompute.transfer
+    assert on is not None and on.margin_blocks == 4 and on.cooldown_s == 10.0
+    assert on.transfer == "auto"
+    for transfer in (True, False):
+        fixed = ClusterConfig.from_dict(
+            {"pools": [{"name": "default"}], "scheduler": {"migration_transfer": transfer}}
+        ).scheduler.migration_policy()
+        assert fixed is not None and fixed.transfer is transfer
+    with pytest.raises(
+        ConfigError, match="migration_transfer: must be true, false or 'auto', got 'always'"
+    ):
+        ClusterConfig.from_dict(
+            {"pools": [{"name": "default"}], "scheduler": {"migration_transfer": "always"}}
+        )
     off = ClusterConfig.from_dict({"pools": [{"name": "default"}], "scheduler": {"migration": False}})
     assert off.scheduler.migration_policy() is None
     with pytest.raises(ConfigError, match="migration_margin_blocks: must be >= 0, got -1"):

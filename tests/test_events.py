@@ -41,6 +41,8 @@ def make_report(**overrides: object) -> LoadReport:
         priority_claims={0: (2, 30), 5: (1, 8)},
         origin_claims={"replica-a": 38},
         migrations_out=4,
+        recompute_s_per_token=2.5e-4,
+        kv_import_s_per_block=1.25e-5,
     )
     fields.update(overrides)
     return LoadReport(**fields)  # type: ignore[arg-type]
@@ -49,6 +51,21 @@ def make_report(**overrides: object) -> LoadReport:
 def test_load_report_round_trips_every_field() -> None:
     report = make_report()
     assert LoadReport.decode(report.encode()) == report
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "0.1"])
+def test_a_measured_cost_that_is_no_finite_non_negative_number_is_refused(bad: object) -> None:
+    obj = msgpack.unpackb(make_report().encode())
+    obj["kv_import_s_per_block"] = bad
+    with pytest.raises(EventDecodeError, match="kv_import_s_per_block"):
+        LoadReport.decode(msgpack.packb(obj))
+
+
+def test_measured_costs_are_optional_on_the_wire() -> None:
+    obj = msgpack.unpackb(make_report().encode())
+    del obj["recompute_s_per_token"], obj["kv_import_s_per_block"]
+    decoded = LoadReport.decode(msgpack.packb(obj))
+    assert decoded.recompute_s_per_token == 0.0 and decoded.kv_import_s_per_block == 0.0
 
 
 def test_load_report_of_a_worker_short_of_blocks_round_trips_its_requests() -> None:

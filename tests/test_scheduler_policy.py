@@ -16,6 +16,7 @@ from pagefleet.scheduler.policy import (
     choose_migration,
     claim_headroom,
     full_claim,
+    transfer_is_cheaper,
 )
 from pagefleet.worker.events import LoadReport, RequestLoad
 
@@ -110,8 +111,13 @@ def short_worker(*requests: RequestLoad, short: int = 3) -> LoadReport:
     )
 
 
-def idle_worker(worker_id: str = "w1", *, free: int = 100, pool: str = "chat") -> LoadReport:
-    return LoadReport(worker_id, pool, 1, 0.0, 100, free, 100 - free, 0, 0)
+def idle_worker(
+    worker_id: str = "w1", *, free: int = 100, pool: str = "chat",
+    recompute_s_per_token: float = 0.0, kv_import_s_per_block: float = 0.0,
+) -> LoadReport:
+    return LoadReport(worker_id, pool, 1, 0.0, 100, free, 100 - free, 0, 0,
+                      recompute_s_per_token=recompute_s_per_token,
+                      kv_import_s_per_block=kv_import_s_per_block)  # fmt: skip
 
 
 # Request "old" was admitted first, "new" last; "low" has a lower priority than both.
@@ -125,12 +131,42 @@ def test_migration_moves_the_lowest_priority_request_to_a_worker_with_room() -> 
     assert move == Migration("low", "w0", "w1", 10)
 
 
-def test_a_migration_moves_the_kv_blocks_unless_the_policy_says_recompute() -> None:
-    recompute = MigrationPolicy(margin_blocks=2, cooldown_s=10.0, transfer=False)
-    by_transfer = choose_migration(short_worker(NEW), [idle_worker()], BS, POLICY)
-    by_recompute = choose_migration(short_worker(NEW), [idle_worker()], BS, recompute)
-    assert by_transfer is not None and by_transfer.transfer
-    assert by_recompute is not None and not by_recompute.transfer
+def test_a_fixed_policy_moves_the_kv_blocks_or_recomputes_whatever_was_measured() -> None:
+    # The target measured imports 100x dearer than recompute: a fixed policy ignores it.
+    dear = idle_worker(recompute_s_per_token=1e-4, kv_import_s_per_block=0.16)
+    cases = {True: True, False: False}
+    for transfer, expected in cases.items():
+        policy = MigrationPolicy(margin_blocks=2, cooldown_s=10.0, transfer=transfer)
+        move = choose_migration(short_worker(NEW), [dear], BS, policy)
+        assert move is not None and move.transfer is expected
+
+
+def test_auto_moves_kv_blocks_until_the_target_has_measured_an_import() -> None:
+    assert POLICY.transfer == "auto"
+    for target in (idle_worker(), idle_worker(recompute_s_per_token=1e-3),
+                   idle_worker(kv_import_s_per_block=1e-3)):  # fmt: skip
+        move = choose_migration(short_worker(NEW), [target], BS, POLICY)
+        assert move is not None and move.transfer
+
+
+def test_auto_weighs_the_targets_import_cost_against_recomputing_the_request() -> None:
+    # NEW holds 40 tokens, 10 full blocks of 4. Recompute: 40 x 1 ms = 40 ms; transfer:
+    # 10 blocks x 3.8 ms = 38 ms, or x 4.2 ms = 42 ms.
+    per_token = 1e-3
+    cheap = idle_worker(recompute_s_per_token=per_token, kv_import_s_per_block=3.8e-3)
+    dear = idle_worker(recompute_s_per_token=per_token, kv_import_s_per_block=4.2e-3)
+    by_cheap = choose_migration(short_worker(NEW), [cheap], BS, POLICY)
+    by_dear = choose_migration(short_worker(NEW), [dear], BS, POLICY)
+    assert by_cheap is not None and by_cheap.transfer
+    assert by_dear is not None and not by_dear.transfer
+    assert transfer_is_cheaper(40, BS, cheap) and not transfer_is_cheaper(40, BS, dear)
+    # A partial tail is recomputed either way; shorter than one block, nothing to transfer.
+    assert transfer_is_cheaper(42, BS, cheap) and not transfer_is_cheaper(3, BS, cheap)
+
+
+def test_a_migration_policy_refuses_a_transfer_mode_it_does_not_know() -> None:
+    with pytest.raises(ValueError, match="transfer must be true, false or 'auto', got 'sometimes'"):
+        MigrationPolicy(transfer="sometimes")
 
 
 def test_among_equal_priorities_the_most_recently_admitted_migrates() -> None:

@@ -215,13 +215,20 @@ def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_
 ) -> None:
     want = offline.generate(CONTEXT, LONG)[0].token_ids
 
-    async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int]]:
+    async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int],
+                              LoadReport, LoadReport]:
         source, target = _actor(), _actor()
+        before = LoadReport.decode(target._load_report())
         got = await _handed_off(source, 5)
         rest = await _resume(target, got, got[-1].kv)
-        return got, rest, await _settled(source), await _settled(target)
+        after = LoadReport.decode(target._load_report())
+        return got, rest, await _settled(source), await _settled(target), before, after
 
-    got, rest, source_stats, target_stats = asyncio.run(main())
+    got, rest, source_stats, target_stats, before, after = asyncio.run(main())
+    # The target reports what the import cost it, and what recomputing would (the
+    # scheduler's "auto" choice weighs one against the other).
+    assert before.kv_import_s_per_block == 0.0 and after.kv_import_s_per_block > 0
+    assert after.recompute_s_per_token > 0
     kv = got[-1].kv
     assert got[-1].migrated_to == "w1" and kv is not None
     context = len(CONTEXT) + sum(len(d.token_ids) for d in got)

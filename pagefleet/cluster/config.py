@@ -224,9 +224,13 @@ class SchedulerConfig:
     A worker short of blocks hands a request to another worker of its pool
     with room for it plus `migration_margin_blocks` (`migration: false` turns
     that off); a request migrates at most once per `migration_cooldown_s`.
-    `migration_transfer`: the request's KV blocks go with it through the object
-    store, so the target computes only the partial tail block (measured 19-63x
-    cheaper than recomputing on CPU); false: the target recomputes them.
+    `migration_transfer`: "auto" (the default) moves each request whichever
+    way the target's measurements make cheaper (`policy.transfer_is_cheaper`:
+    its seconds per imported block against its seconds per prefilled token;
+    transfer until it has imported once); true: the KV blocks always go with
+    it through the object store, so the target computes only the partial tail
+    block (measured 19-63x cheaper than recomputing on CPU); false: the target
+    always recomputes them.
     """
 
     policy: str = "watermark"
@@ -246,7 +250,7 @@ class SchedulerConfig:
     migration: bool = True
     migration_margin_blocks: int = 4
     migration_cooldown_s: float = 10.0
-    migration_transfer: bool = True
+    migration_transfer: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
@@ -258,6 +262,11 @@ class SchedulerConfig:
                 f"must be a factor from 1.0 (never overcommit) to 100, got {self.admission_overcommit}",
             )
         _at_least("migration_margin_blocks", self.migration_margin_blocks, 0)
+        if self.migration_transfer not in (True, False, "auto"):
+            _fail(
+                "migration_transfer",
+                f"must be true, false or 'auto', got {self.migration_transfer!r}",
+            )
         if not self.migration_cooldown_s >= 0:
             _fail("migration_cooldown_s", f"must be >= 0, got {self.migration_cooldown_s}")
         if not self.stall_timeout_s > 0:

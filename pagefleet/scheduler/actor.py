@@ -205,9 +205,9 @@ class SchedulerActor:
             "route_notes": self._state.route_notes,
         }
 
-    async def set_migration_transfer(self, transfer: bool) -> bool:
-        """Switch `scheduler.migration_transfer` at run time (a benchmark compares both ways
-        on one cluster); returns False when migration is off."""
+    async def set_migration_transfer(self, transfer: bool | str) -> bool:
+        """Switch `scheduler.migration_transfer` (true, false or "auto") at run time (a
+        benchmark compares the ways on one cluster); returns False when migration is off."""
         policy = self._state.migration
         if policy is None:
             return False

@@ -119,16 +119,16 @@ class MigrationPolicy:
     many blocks (its own running sequences grow too). `cooldown_s`: a
     request migrates at most once in this long (no ping-pong). `reserve_s`:
     blocks promised to a target stay counted against its room this long, until
-    its reports show the moved request. `transfer`: the source hands the
-    request's KV blocks to the target through the object store (measured
-    cheaper than recomputing them, docs/benchmarks.md section 16); false:
-    the target recomputes them.
+    its reports show the moved request. `transfer`: True, the source hands
+    the request's KV blocks to the target through the object store; False,
+    the target recomputes them; "auto" (the default), whichever the target's
+    own measurements make cheaper for this request (`transfer_is_cheaper`).
     """
 
     margin_blocks: int = 4
     cooldown_s: float = 10.0
     reserve_s: float = 2.0
-    transfer: bool = True
+    transfer: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.margin_blocks < 0:
@@ -137,6 +137,8 @@ class MigrationPolicy:
             raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
         if not self.reserve_s >= 0:
             raise ValueError(f"reserve_s must be >= 0, got {self.reserve_s}")
+        if self.transfer not in (True, False, "auto"):
+            raise ValueError(f"transfer must be true, false or 'auto', got {self.transfer!r}")
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,36 @@ def choose_migration(
         for r in source.requests
         if r.request_id not in recently_migrated
     ]
+    tokens = {r.request_id: r.num_tokens for r in source.requests}
+    target = next(t for t in targets if t.worker_id == best)
     for victim in victim_order(candidates):
         if victim.num_blocks <= room[best]:
-            return Migration(
-                victim.request_id, source.worker_id, best, victim.num_blocks, policy.transfer
-            )
+            if policy.transfer == "auto":
+                transfer = transfer_is_cheaper(tokens[victim.request_id], block_size, target)
+            else:
+                transfer = bool(policy.transfer)
+            return Migration(victim.request_id, source.worker_id, best, victim.num_blocks, transfer)
     return None
+
+
+def transfer_is_cheaper(num_tokens: int, block_size: int, target: LoadReport) -> bool:
+    """Whether moving a request of `num_tokens` to `target` by KV transfer beats recompute,
+    by the target's own measurements (`LoadReport.kv_import_s_per_block` and
+    `recompute_s_per_token`).
+
+    A transfer imports the full blocks and recomputes the partial tail; a recompute
+    prefills every token. Until the target has imported once (nothing measured),
+    transfer: on CPU it measured 19-63x cheaper (docs/benchmarks.md section 16), and
+    its first import gives the measurement.
+    """
+    if target.kv_import_s_per_block <= 0 or target.recompute_s_per_token <= 0:
+        return True
+    full = num_tokens // block_size
+    by_transfer = (
+        full * target.kv_import_s_per_block
+        + (num_tokens - full * block_size) * target.recompute_s_per_token
+    )
+    return by_transfer < num_tokens * target.recompute_s_per_token
 
 
 class ResourceExhausted(RuntimeError):

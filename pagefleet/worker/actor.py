@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ MAX_CONCURRENCY = 1024
 
 # How long a target waits for a hand-off's KV blocks before it recomputes them instead.
 KV_FETCH_TIMEOUT_S = 10.0
+IMPORT_COST_WEIGHT = 0.3  # weight of a new import's seconds per block in the moving average
 
 
 @dataclass
@@ -97,6 +99,9 @@ class WorkerActor:
         self._active: set[str] = set()  # ids of the requests streaming now
         self._migrating: dict[str, _Handoff] = {}  # request id -> where it is handed to
         self._kv_import_failures = 0  # hand-offs whose blocks could not be fetched or imported
+        # Seconds per block of an import by transfer (fetch + write), a moving average;
+        # 0.0 until the first one. The scheduler weighs it against recompute per move.
+        self._kv_import_s_per_block = 0.0
         # Requests importing a hand-off's blocks, not in the engine yet: an abort meanwhile
         # cancels the import, and the request ends there instead of being submitted.
         self._importing: dict[str, asyncio.Task[None]] = {}
@@ -213,6 +218,7 @@ class WorkerActor:
         """Fetch a hand-off's blocks and import them as cached blocks, before the request is
         admitted; on any failure (object lost with its worker, timeout, another layout)
         the request just recomputes them."""
+        started = time.perf_counter()
         try:
             raw = await asyncio.wait_for(_fetch(kv.blocks), KV_FETCH_TIMEOUT_S)
             blocks = from_bytes(raw, kv.dtype, kv.shape)
@@ -224,6 +230,12 @@ class WorkerActor:
                 self.worker_id, request_id, type(exc).__name__, exc,
             )
             return
+        if kv.block_hashes:
+            per_block = (time.perf_counter() - started) / len(kv.block_hashes)
+            previous = self._kv_import_s_per_block
+            self._kv_import_s_per_block = (
+                per_block if previous == 0 else previous + IMPORT_COST_WEIGHT * (per_block - previous)
+            )
         logger.info(
             "worker %s: imported %d of %d KV blocks of %s",
             self.worker_id, n, len(kv.block_hashes), request_id,
@@ -295,6 +307,8 @@ class WorkerActor:
             blocks_short=blocks_short,
             requests=requests,
             migrations_out=self._migrations_out,
+            recompute_s_per_token=self._engine.recompute_seconds_per_token(),
+            kv_import_s_per_block=self._kv_import_s_per_block,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:

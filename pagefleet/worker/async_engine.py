@@ -195,6 +195,12 @@ class AsyncEngine:
             short = max(self.engine.blocks_short(), 1 if count > preemptions_seen else 0)
             return short, self.engine.request_loads() if short > 0 else [], count
 
+    def recompute_seconds_per_token(self) -> float:
+        """The engine's measured cost of recomputing KV (a prefill-dominated step's seconds
+        per token, `BatchScheduler.observe_step`), between two steps."""
+        with self._lock:
+            return self.engine.scheduler.recompute_seconds_per_token
+
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""
         with self._lock:

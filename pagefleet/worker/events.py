@@ -64,6 +64,16 @@ def _get(obj: Mapping[str, Any], name: str, typ: type | tuple[type, ...]) -> Any
     return value
 
 
+def _cost(obj: Mapping[str, Any], name: str) -> float:
+    """An optional measured cost (0.0 when absent: senders that predate it)."""
+    if name not in obj:
+        return 0.0
+    value = float(_get(obj, name, (int, float)))
+    if not value >= 0 or value == float("inf"):
+        raise EventDecodeError(f"field {name!r} must be finite and >= 0, got {value}")
+    return value
+
+
 def _count_map(obj: Mapping[str, Any], name: str) -> dict[str, int]:
     raw = _get(obj, name, dict)
     for key, value in raw.items():
@@ -175,6 +185,11 @@ class LoadReport:
     requests: tuple[RequestLoad, ...] = ()
     # Cumulative: requests this incarnation handed to another worker on the scheduler's order.
     migrations_out: int = 0
+    # What moving a request here costs, as measured here (0.0: not measured yet): seconds
+    # per token of a prefill-dominated step (recomputing its KV), and seconds per KV block
+    # of an import by transfer (the fetch through the object store and the write).
+    recompute_s_per_token: float = 0.0
+    kv_import_s_per_block: float = 0.0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -236,6 +251,8 @@ class LoadReport:
                 "blocks_short": self.blocks_short,
                 "requests": [list(r) for r in self.requests],
                 "migrations_out": self.migrations_out,
+                "recompute_s_per_token": float(self.recompute_s_per_token),
+                "kv_import_s_per_block": float(self.kv_import_s_per_block),
             },
             use_bin_type=True,
         )
@@ -279,6 +296,8 @@ class LoadReport:
             blocks_short=_get(obj, "blocks_short", int) if "blocks_short" in obj else 0,
             requests=_request_loads(obj) if "requests" in obj else (),
             migrations_out=_get(obj, "migrations_out", int) if "migrations_out" in obj else 0,
+            recompute_s_per_token=_cost(obj, "recompute_s_per_token"),
+            kv_import_s_per_block=_cost(obj, "kv_import_s_per_block"),
         )
 
     @classmethod
@@ -300,6 +319,8 @@ class LoadReport:
         blocks_short: int = 0,
         requests: Iterable[RequestLoad] = (),
         migrations_out: int = 0,
+        recompute_s_per_token: float = 0.0,
+        kv_import_s_per_block: float = 0.0,
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -355,6 +376,8 @@ class LoadReport:
             blocks_short=blocks_short,
             requests=tuple(requests),
             migrations_out=migrations_out,
+            recompute_s_per_token=recompute_s_per_token,
+            kv_import_s_per_block=kv_import_s_per_block,
         )
 
 
