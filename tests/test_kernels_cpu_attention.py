@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -229,3 +230,32 @@ def test_the_kernel_is_built_once_into_the_cache_and_reused(fresh_build: Path) -
     cpu_decode._library.cache_clear()  # a new process on the same node
     assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
     assert [p.stat().st_mtime_ns for p in fresh_build.glob("kernels/*.so")] == [stamp]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_a_compiler_refusing_march_native_builds_for_the_baseline_isa(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wrapper = fresh_build / "cc-no-native"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -march=native ] && { echo "no -march=native" >&2; exit 1; }; done\n'
+        'exec cc "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    assert cpu_decode.decode_kernel(torch.float32, torch.float32) is not None
+    assert_matches_oracle(batch([1, 3, 1], [21, 8, 40], torch.float32, seed=15))
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_a_cache_root_that_cannot_be_written_gives_way_to_the_temporary_directory(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    not_a_dir = fresh_build / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("PAGEFLEET_CACHE_DIR", str(not_a_dir))
+    monkeypatch.setattr(tempfile, "tempdir", str(fresh_build / "tmp"))
+    (fresh_build / "tmp").mkdir()
+    assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
+    assert len(list((fresh_build / "tmp" / "pagefleet-kernels").glob("cpu_decode-*.so"))) == 1

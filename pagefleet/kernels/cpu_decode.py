@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+# Where the compiler refuses -march=native (some Apple clang releases): the baseline ISA.
+PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 
 # (query dtype, cache dtype) -> the C function for them.
 _FUNCTIONS = {
@@ -75,7 +77,9 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """Compile the kernel into the cache (atomically: concurrent builds are harmless)."""
+    """Compile the kernel into the cache (atomically: concurrent builds are harmless),
+    with `FLAGS`, else `PORTABLE_FLAGS`; a cache root that cannot be written gives way
+    to the temporary directory."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
@@ -84,24 +88,34 @@ def _build(compiler: str) -> Path:
                  _cpu_signature().encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
-    target = default_cache_root() / "kernels" / f"cpu_decode-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", scratch, str(SOURCE), "-lm"],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
+    name = f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    for root in (default_cache_root() / "kernels", Path(tempfile.gettempdir()) / "pagefleet-kernels"):
+        target = root / name
+        if target.exists():
+            return target
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd, scratch = tempfile.mkstemp(suffix=".so", dir=root)
+        except OSError:
+            continue  # not writable here
+        os.close(fd)
+        try:
+            errors = []
+            for flags in (FLAGS, PORTABLE_FLAGS):
+                done = subprocess.run(
+                    [compiler, *flags, "-o", scratch, str(SOURCE), "-lm"],
+                    capture_output=True, text=True, timeout=120, check=False,
+                )  # fmt: skip
+                if done.returncode == 0:
+                    os.replace(scratch, target)
+                    return target
+                errors.append(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-1000:]}")
+            raise RuntimeError("; ".join(errors))
+        finally:
+            if os.path.exists(scratch):
+                os.unlink(scratch)
+    raise OSError(f"no writable directory for the kernel ({default_cache_root() / 'kernels'}, "
+                  f"{tempfile.gettempdir()})")
 
 
 @functools.cache

@@ -185,9 +185,10 @@ class LoadReport:
     requests: tuple[RequestLoad, ...] = ()
     # Cumulative: requests this incarnation handed to another worker on the scheduler's order.
     migrations_out: int = 0
-    # What moving a request here costs, as measured here (0.0: not measured yet): seconds
-    # per token of a prefill-dominated step (recomputing its KV), and seconds per KV block
-    # of an import by transfer (the fetch through the object store and the write).
+    # What moving a request here costs, as estimated here: seconds per token of a
+    # prefill-dominated step (recomputing its KV; the engine's prior until it has run
+    # one), and seconds per KV block of an import by transfer (the fetch through the
+    # object store and the write; 0.0 until the first import). 0.0 from older senders.
     recompute_s_per_token: float = 0.0
     kv_import_s_per_block: float = 0.0
 
