@@ -27,6 +27,7 @@ same `BlockTransfer` copies as serving.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -106,13 +107,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS].clone()
         return True
 
-    def model_evict(self, n: int) -> None:
+    def model_evict(self, n: int, reviving: Collection[bytes] = ()) -> None:
         """The pool evicted its next `n` cached blocks (duplicates first, then last copies,
-        LRU in each): they spill to the tier, in order."""
+        LRU in each): they spill to the tier, in order. A hash in `reviving` may be
+        cached again at once: the revive that evicted it loads it back from the tier."""
         for _ in range(n):
             queue = self.dup_lru if self.dup_lru else self.lru
             h, _block = queue.popitem(last=False)
-            assert not self.pool.is_cached(h), "a cached block was evicted out of order"
+            if h not in reviving:
+                assert not self.pool.is_cached(h), "a cached block was evicted out of order"
             self.duplicated.discard(h)
             del self.registry[h]
             contents = self.contents.pop(h)
@@ -135,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.pool.stats().free
         k = min(self.model_tier_run(hashes), free_before + self.num_cached())
         blocks = revive_offloaded(self.pool, self.tier, hashes)
-        self.model_evict(max(0, k - free_before))
+        self.model_evict(max(0, k - free_before), reviving=hashes[:k])
         still = self.model_tier_run(hashes[:k])
         assert len(blocks) == still
         for block, h in zip(blocks, hashes, strict=False):
@@ -304,3 +307,32 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+def test_a_revive_whose_allocation_evicts_a_block_of_its_own_run_loads_it_back() -> None:
+    """The example the machine once found: the pool holds the second block of a prefix
+    but not the first, the tier holds both; reviving them needs the pool's last two
+    cached blocks, one of them that second block, which spills and is loaded back."""
+    state = BlockManagerMachine()
+    two_blocks, other = [7, 7, 7, 7, 8, 8, 8, 8], [9, 9, 9, 9]
+    state.new_sequence(salt="a", suffix=[0, 0, 1, 0], system=[])
+    state.free(pick=0)
+    state.new_sequence(salt="b", suffix=[], system=two_blocks)
+    state.mark_duplicated(picks=[1, 128], unknown=False)
+    state.free(pick=0)
+    state.evict(n=1)
+    state.new_sequence(salt="a", suffix=[0], system=[])
+    state.free(pick=0)
+    state.new_sequence(salt="b", suffix=[], system=two_blocks)
+    state.new_sequence(salt="a", suffix=[0, 0, 0, 0, 0], system=other)
+    state.free(pick=0)
+    state.new_sequence(salt="b", suffix=[0, 0], system=other)
+    state.new_sequence(salt="a", suffix=[0, 0, 0, 0], system=two_blocks)
+    state.append(new_tokens=[0], pick=6434)
+    state.append(new_tokens=[0, 0, 0], pick=1)
+    before = state.pool.stats().evictions
+    state.new_sequence(salt="b", suffix=[], system=two_blocks)
+    assert state.pool.stats().evictions == before + 2  # both cached blocks went
+    state.every_registered_hash_points_at_its_tokens()
+    state.every_sequence_reads_back_its_own_tokens()
+    state.teardown()
