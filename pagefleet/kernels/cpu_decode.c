@@ -111,6 +111,28 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
     (void)src, (void)width, (void)dst;
 }
 
+/* Inside DEFINE_DECODE's per-sequence body: run the statements given for every
+ * position t of [lo, hi) with `row` that slot's whole row of CACHE (every KV head)
+ * in the compute type T (widened into row_buf from a narrower KV_T). Positions go
+ * block by block, and the next block's same row is prefetched. */
+#define FOR_EACH_ROW(T, KV_T, WIDEN, CACHE, ...)                                              \
+    for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                    \
+        const int64_t base = (int64_t)table[b] * block_size;                                  \
+        const int64_t next =                                                                  \
+            (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size : -1;              \
+        for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n; j++, t++) {   \
+            const KV_T *raw = CACHE + (base + j) * slot_stride;                               \
+            if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */   \
+                prefetch_row(CACHE + (next + j) * slot_stride, slot_stride * sizeof(KV_T));   \
+            const T *row = (const T *)raw;                                                    \
+            if (sizeof(KV_T) != sizeof(T)) {                                                  \
+                WIDEN(raw, width, row_buf);                                                   \
+                row = row_buf;                                                                \
+            }                                                                                 \
+            __VA_ARGS__                                                                       \
+        }                                                                                     \
+    }
+
 /* Arguments, shared by every instantiation:
  *   q            query rows; row r, head j at q + r * q_row_stride + j * head_dim
  *   k, v         caches; slot s, KV head h at k + s * slot_stride + h * head_dim
@@ -134,32 +156,18 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         const int64_t n = hi - lo, heads = kv_heads * group, chunks = head_dim / W;           \
         const int64_t width = kv_heads * head_dim;                                            \
         /* Scores: every position's key row, all heads. */                                    \
-        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                \
-            const int64_t base = (int64_t)table[b] * block_size;                              \
-            const int64_t next = (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size \
-                                                           : -1;                              \
-            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;           \
-                 j++, t++) {                                                                  \
-                const KV_T *kr = k + (base + j) * slot_stride;                                \
-                if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */ \
-                    prefetch_row(k + (next + j) * slot_stride, slot_stride * sizeof(KV_T));  \
-                const T *kw = (const T *)kr;                                                  \
-                if (sizeof(KV_T) != sizeof(T)) {                                              \
-                    WIDEN(kr, width, row_buf);                                                \
-                    kw = row_buf;                                                             \
+        FOR_EACH_ROW(T, KV_T, WIDEN, k, /* row: the slot's keys, all heads */                 \
+            for (int64_t h = 0; h < kv_heads; h++) {                                          \
+                VT kc[MAX_CHUNKS]; /* the head's key, loaded once for its group */            \
+                for (int64_t c = 0; c < chunks; c++)                                          \
+                    kc[c] = LOAD(row + h * head_dim + W * c);                                 \
+                for (int64_t g = 0; g < group; g++) {                                         \
+                    const T *qg = qr + (h * group + g) * head_dim;                            \
+                    VT dot = LOAD(qg) * kc[0];                                                \
+                    for (int64_t c = 1; c < chunks; c++) dot += LOAD(qg + W * c) * kc[c];     \
+                    scores[(h * group + g) * longest + t] = HSUM(dot) * scale;                \
                 }                                                                             \
-                for (int64_t h = 0; h < kv_heads; h++) {                                      \
-                    VT kc[MAX_CHUNKS]; /* the head's key, loaded once for its group */        \
-                    for (int64_t c = 0; c < chunks; c++) kc[c] = LOAD(kw + h * head_dim + W * c); \
-                    for (int64_t g = 0; g < group; g++) {                                     \
-                        const T *qg = qr + (h * group + g) * head_dim;                        \
-                        VT dot = LOAD(qg) * kc[0];                                            \
-                        for (int64_t c = 1; c < chunks; c++) dot += LOAD(qg + W * c) * kc[c]; \
-                        scores[(h * group + g) * longest + t] = HSUM(dot) * scale;            \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
+            })                                                                                \
         /* Softmax per query head, over rows padded to W lanes with -inf (weight 0). */       \
         const int64_t padded = (n + W - 1) / W * W;                                           \
         for (int64_t r = 0; r < heads; r++) {                                                 \
@@ -180,31 +188,17 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         }                                                                                     \
         /* Weighted sum: every position's value row, all heads. */                            \
         for (int64_t x = 0; x < heads * chunks; x++) acc[x] = (VT){0};                        \
-        for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                \
-            const int64_t base = (int64_t)table[b] * block_size;                              \
-            const int64_t next = (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size \
-                                                           : -1;                              \
-            for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n;           \
-                 j++, t++) {                                                                  \
-                const KV_T *vr = v + (base + j) * slot_stride;                                \
-                if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */ \
-                    prefetch_row(v + (next + j) * slot_stride, slot_stride * sizeof(KV_T));  \
-                const T *vw = (const T *)vr;                                                  \
-                if (sizeof(KV_T) != sizeof(T)) {                                              \
-                    WIDEN(vr, width, row_buf);                                                \
-                    vw = row_buf;                                                             \
+        FOR_EACH_ROW(T, KV_T, WIDEN, v, /* row: the slot's values, all heads */               \
+            for (int64_t h = 0; h < kv_heads; h++) {                                          \
+                VT vc[MAX_CHUNKS];                                                            \
+                for (int64_t c = 0; c < chunks; c++)                                          \
+                    vc[c] = LOAD(row + h * head_dim + W * c);                                 \
+                for (int64_t g = 0; g < group; g++) {                                         \
+                    const T w = scores[(h * group + g) * longest + t];                        \
+                    VT *ag = acc + (h * group + g) * chunks;                                  \
+                    for (int64_t c = 0; c < chunks; c++) ag[c] += w * vc[c];                  \
                 }                                                                             \
-                for (int64_t h = 0; h < kv_heads; h++) {                                      \
-                    VT vc[MAX_CHUNKS];                                                        \
-                    for (int64_t c = 0; c < chunks; c++) vc[c] = LOAD(vw + h * head_dim + W * c); \
-                    for (int64_t g = 0; g < group; g++) {                                     \
-                        const T w = scores[(h * group + g) * longest + t];                    \
-                        VT *ag = acc + (h * group + g) * chunks;                              \
-                        for (int64_t c = 0; c < chunks; c++) ag[c] += w * vc[c];              \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
+            })                                                                                \
         memcpy(o, acc, sizeof(VT) * (size_t)(heads * chunks));                                \
     }                                                                                         \
                                                                                               \

@@ -265,9 +265,10 @@ class WorkerActor:
         return dict(self._stats())
 
     def _stats(self) -> dict[str, int]:
-        stats = self._engine.stats()
-        stats["kv_import_failures"] = self._kv_import_failures
-        return stats
+        return self._with_import_failures(self._engine.stats())
+
+    def _with_import_failures(self, stats: dict[str, int]) -> dict[str, int]:
+        return {**stats, "kv_import_failures": self._kv_import_failures}
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks between two engine steps: those another worker
@@ -285,29 +286,26 @@ class WorkerActor:
 
     def _load_report(self) -> bytes:
         self._report_seq += 1
-        claims = self._engine.block_claims()
-        stats = self._stats()
         # A preemption for want of a block since the last report means short of
         # blocks, even when the victim got back in before this report was taken.
-        blocks_short, requests, self._preemptions_seen = self._engine.migration_load(
-            self._preemptions_seen
-        )
+        state = self._engine.report_state(self._preemptions_seen)
+        self._preemptions_seen = state.block_preemptions
         return LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,
             self._report_seq,
-            stats,
-            tenant_live_blocks=self._engine.tenant_live_blocks(),
-            tenant_cap_refusals=self._engine.tenant_cap_refusals(),
+            self._with_import_failures(state.stats),
+            tenant_live_blocks=state.tenant_live_blocks,
+            tenant_cap_refusals=state.tenant_cap_refusals,
             incarnation=self.incarnation,
             progress=self._progress,
-            committed_blocks=claims.committed,
-            priority_claims=claims.by_priority,
-            origin_claims=_by_origin(claims.by_request),
-            blocks_short=blocks_short,
-            requests=requests,
+            committed_blocks=state.claims.committed,
+            priority_claims=state.claims.by_priority,
+            origin_claims=_by_origin(state.claims.by_request),
+            blocks_short=state.blocks_short,
+            requests=state.requests,
             migrations_out=self._migrations_out,
-            recompute_s_per_token=self._engine.recompute_seconds_per_token(),
+            recompute_s_per_token=state.recompute_s_per_token,
             kv_import_s_per_block=self._kv_import_s_per_block,
         ).encode()
 

@@ -12,10 +12,13 @@ which frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,6 +32,9 @@ from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How long the engine thread sleeps, between two steps, per check that no caller waits.
+YIELD_S = 0.0002
 
 # Finish reasons that end the whole request, whichever completion reached them first.
 _ENDS_REQUEST = ("abort", "error")
@@ -68,6 +74,20 @@ def _resolve(fut: asyncio.Future[T], error: BaseException | None, result: Any = 
     fut.get_loop().call_soon_threadsafe(apply)
 
 
+@dataclass(frozen=True)
+class ReportState:
+    """What `AsyncEngine.report_state` read between two steps."""
+
+    stats: dict[str, int]
+    tenant_live_blocks: dict[str, int]
+    tenant_cap_refusals: dict[str, int]
+    claims: BlockClaims
+    blocks_short: int
+    requests: list[RequestLoad]
+    block_preemptions: int  # for want of a block, so far: the next call's preemptions_seen
+    recompute_s_per_token: float
+
+
 class AsyncEngine:
     """An `LLMEngine` stepping in a background thread, streamed to asyncio callers."""
 
@@ -87,6 +107,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._lock = threading.Lock()  # held by the engine thread while it touches the engine
+        # Callers waiting for the lock between two steps (one entry each): while any
+        # wait, the engine thread pauses before its next step so that they get in
+        # (a plain Lock is not fair: the engine thread would take it straight back).
+        self._waiting: deque[None] = deque()
         self._stopped = False
         self._error: BaseException | None = None
         self._on_fatal = on_fatal
@@ -170,65 +194,70 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         """The engine's counters (waits for the current step to end)."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.stats()
 
     def tenant_live_blocks(self) -> dict[str, int]:
         """`LLMEngine.tenant_live_blocks`, between two steps."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.tenant_live_blocks()
 
     def block_claims(self) -> BlockClaims:
         """`LLMEngine.block_claims`, between two steps."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.block_claims()
 
-    def migration_load(self, preemptions_seen: int) -> tuple[int, list[RequestLoad], int]:
-        """(blocks short, requests, preemptions for want of a block so far), between two steps.
+    def report_state(self, preemptions_seen: int) -> ReportState:
+        """Everything a load report needs, read between the same two steps (one wait for
+        the lock, so a busy engine still reports on time).
 
         Blocks short is `LLMEngine.blocks_short`, at least 1 when the engine
         preempted for want of a block since `preemptions_seen`; the requests
         (`LLMEngine.request_loads`) only when it is above 0.
         """
-        with self._lock:
-            count = self.engine.scheduler.block_preemptions
-            short = max(self.engine.blocks_short(), 1 if count > preemptions_seen else 0)
-            return short, self.engine.request_loads() if short > 0 else [], count
-
-    def recompute_seconds_per_token(self) -> float:
-        """The engine's measured cost of recomputing KV (a prefill-dominated step's seconds
-        per token, `BatchScheduler.observe_step`), between two steps."""
-        with self._lock:
-            return self.engine.scheduler.recompute_seconds_per_token
+        with self._between_steps():
+            engine = self.engine
+            count = engine.scheduler.block_preemptions
+            short = max(engine.blocks_short(), 1 if count > preemptions_seen else 0)
+            return ReportState(
+                stats=engine.stats(),
+                tenant_live_blocks=engine.tenant_live_blocks(),
+                tenant_cap_refusals=engine.tenant_cap_refusals(),
+                claims=engine.block_claims(),
+                blocks_short=short,
+                requests=engine.request_loads() if short > 0 else [],
+                block_preemptions=count,
+                recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
+            )
 
     def tenant_cap_refusals(self) -> dict[str, int]:
         """`LLMEngine.tenant_cap_refusals`, between two steps."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.tenant_cap_refusals()
 
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.evict_cached(n)
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache events since the last drain (waits for the current step to end)."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.drain_kv_events()
 
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """`LLMEngine.mark_duplicated`, between two steps."""
-        with self._lock:
+        with self._between_steps():
             self.engine.mark_duplicated(hashes)
 
     def snapshot_kv(self) -> list[tuple[str, bytes]]:
         """`LLMEngine.snapshot_kv`, between two steps."""
-        with self._lock:
+        with self._between_steps():
             return self.engine.snapshot_kv()
 
     def check_integrity(self) -> None:
         """The engine's consistency check, between steps."""
-        with self._lock:
+        with self._between_steps():
             self.engine.check_integrity()
 
     def shutdown(self) -> None:
@@ -238,6 +267,19 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------ engine thread
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the engine between two steps (waits for the current one to end)."""
+        self._waiting.append(None)
+        try:
+            self._lock.acquire()
+        finally:
+            self._waiting.pop()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -278,6 +320,8 @@ class AsyncEngine:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
                 self._dispatch(outputs)
+                while self._waiting and not self._stopped:
+                    time.sleep(YIELD_S)  # let the waiting callers in before the next step
                 if not busy:
                     self._wake.wait()
                     self._wake.clear()
