@@ -358,7 +358,7 @@ def ray_actor_table(args: argparse.Namespace) -> None:
 
     workers = args.workers // args.pools
     rounds = max(1, args.ray_pushes // workers)
-    ray.init(num_cpus=2, include_dashboard=False, namespace=f"fleet-scale-{os.getpid()}")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=f"fleet-scale-{os.getpid()}")
     try:
         actor = start_scheduler(namespace=f"fleet-scale-{os.getpid()}", report_timeout_s=1e9,
                                 stall_timeout_s=1e9, index_check_interval_s=1e9)  # fmt: skip

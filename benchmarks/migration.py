@@ -285,7 +285,7 @@ def main() -> None:
         )
     )
     kv = engine.kv.tensor
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         target = ray.remote(Target).options(num_cpus=0).remote(tuple(kv.shape), str(kv.dtype).removeprefix("torch."))
         ray.get(target.receive.remote([ray.put(np.zeros(0, np.uint8))], []))  # started

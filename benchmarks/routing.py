@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if several:
         # One Ray for every cluster: starting Ray again in this process after a shutdown
         # times out on a loaded machine, and each start costs tens of seconds.
-        ray.init(namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, args.workers), include_dashboard=False)
+        ray.init(address="local", namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, args.workers), include_dashboard=False)
     try:
         for mode, replicas, share in runs:
             config = cluster_config(

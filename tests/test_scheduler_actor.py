@@ -38,7 +38,7 @@ NAMESPACE = "pagefleet-test-scheduler"
 def ray_session() -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -187,7 +187,7 @@ def local_ray() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
     try:
         yield
     finally:

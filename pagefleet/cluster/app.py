@@ -264,7 +264,11 @@ def start_cluster(
     if not ray.is_initialized():
         if address is None:
             needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
+            # address="local": a cluster of our own, whatever else runs on the host. A bare
+            # ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in Ray's
+            # address file (and then refuses num_cpus), even when that cluster is gone.
             ray.init(
+                address="local",
                 namespace=NAMESPACE,
                 num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
                 include_dashboard=False,
