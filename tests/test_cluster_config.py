@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
-from pagefleet.cluster.config import ClusterConfig, ConfigError, PoolConfig, parse_bytes
+from pagefleet.cluster.config import ClusterConfig, ConfigError, PoolConfig
 from pagefleet.scheduler.policy import blocks_to_evict
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import LoadReport
+from pagefleet.worker.sizes import parse_bytes
 
 MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "pagefleet.yaml"
 
@@ -32,7 +33,7 @@ def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.M
 
 def test_default_config_is_one_open_pool_of_two_workers() -> None:
     cfg = ClusterConfig.default()
-    assert [(p.name, p.workers, p.model) for p in cfg.pools] == [("default", 2, "tiny")]
+    assert [(p.name, p.workers, p.engine.model) for p in cfg.pools] == [("default", 2, "tiny")]
     assert cfg.tenant_for_api_key(None) == cfg.tenant("default")
     assert not cfg.auth_required
 
@@ -151,25 +152,26 @@ def test_memory_sizes_accept_units() -> None:
     assert parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes(4096) == 4096
     cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_memory": "1GiB"}]))
-    assert cfg.pool("chat").kv_memory_bytes == 2**30
+    assert cfg.pool("chat").engine.kv_memory_bytes == 2**30
 
 
-def test_engine_kwargs_build_an_engine_config() -> None:
-    pool = PoolConfig("chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
-    engine = EngineConfig(**pool.engine_kwargs(device="cpu"))
+def test_a_pools_flat_engine_settings_are_its_engine_config() -> None:
+    pool = PoolConfig(name="chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
+    engine = pool.engine
+    assert isinstance(engine, EngineConfig)
     assert (engine.block_size, engine.num_kv_blocks, engine.max_num_seqs) == (32, 128, 8)
 
 
 def test_kv_cache_dtype_comes_from_yaml_into_the_engine_config() -> None:
     cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_cache_dtype": "float16"}]))
-    assert EngineConfig(**cfg.pool("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "float16"
-    assert EngineConfig(**PoolConfig("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "auto"
+    assert cfg.pool("chat").engine.kv_cache_dtype == "float16"
+    assert PoolConfig(name="chat").engine.kv_cache_dtype == "auto"
 
 
-def test_engine_kwargs_leave_unset_limits_to_the_engine() -> None:
-    kwargs = PoolConfig("chat").engine_kwargs(device="cpu")
-    assert "max_num_seqs" not in kwargs
-    assert EngineConfig(**kwargs).max_num_seqs == EngineConfig().max_num_seqs
+def test_unset_engine_settings_keep_the_engines_defaults() -> None:
+    engine = PoolConfig(name="chat").engine
+    assert engine == EngineConfig()
+    assert engine.max_num_seqs == EngineConfig().max_num_seqs
 
 
 def test_cli_overrides_apply_to_every_pool_and_are_validated() -> None:
