@@ -30,7 +30,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -47,6 +47,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import ErrorDetails
+from typing_extensions import Self
 
 from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.config import EngineConfig, InvalidField
@@ -220,16 +221,16 @@ class RouterConfig(Section):
     """Routing policy and cost weights (see `pagefleet.cluster.router`)."""
 
     policy: RoutingPolicy = "prefix_affinity"
-    w_prefill: float = Field(1.0, ge=0)
-    w_load: float = Field(0.25, ge=0)
-    w_queue: float = Field(8.0, ge=0)
+    w_prefill: Annotated[float, Field(ge=0)] = 1.0
+    w_load: Annotated[float, Field(ge=0)] = 0.25
+    w_queue: Annotated[float, Field(ge=0)] = 8.0
     # The guard is per candidate: only the overloaded worker loses its affinity,
     # the rest of the fleet keeps routing by prefix.
-    imbalance_ratio: float = Field(1.5, ge=1.0)
-    imbalance_slack_blocks: int = Field(64, ge=0)
+    imbalance_ratio: Annotated[float, Field(ge=1.0)] = 1.5
+    imbalance_slack_blocks: Annotated[int, Field(ge=0)] = 64
     speculative_ttl_s: Seconds = 2.0
     # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
-    offload_credit: float = Field(0.5, ge=0, le=1)
+    offload_credit: Annotated[float, Field(ge=0, le=1)] = 0.5
     # Tell the other ingress replicas of every routing decision (see the router's docstring).
     share_routes: bool = True
 
@@ -255,9 +256,9 @@ class PoolConfig(Section):
     """
 
     name: NonEmptyStr
-    workers: int = Field(1, ge=1)
+    workers: Annotated[int, Field(ge=1)] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_gpus_per_worker: float | None = Field(None, ge=0)
+    num_gpus_per_worker: Annotated[float | None, Field(ge=0)] = None
     engine: EngineConfig = EngineConfig()
 
     @model_validator(mode="before")
@@ -308,7 +309,7 @@ class TenantConfig(Section):
     api_key: NonEmptyStr | None = None
     api_key_env: str | None = None
     weight: float = 1.0
-    max_live_blocks: int | None = Field(None, ge=1)
+    max_live_blocks: Annotated[int | None, Field(ge=1)] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -381,19 +382,19 @@ class SchedulerConfig(Section):
     policy: Literal["watermark", "none"] = "watermark"
     report_interval_s: PositiveSeconds = 0.5
     report_timeout_s: float = 3.0
-    wait_queue_size: int = Field(256, ge=0)
+    wait_queue_size: Annotated[int, Field(ge=0)] = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
     # A worker with work that streams nothing this long leaves routing (hung).
     stall_timeout_s: PositiveSeconds = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: PositiveSeconds = 10.0
-    shards: int = Field(1, ge=1)
+    shards: Annotated[int, Field(ge=1)] = 1
     admission: AdmissionMode = "full"
     admission_overcommit: float = 1.0
     replica_aware_eviction: bool = True
     migration: bool = True
-    migration_margin_blocks: int = Field(4, ge=0)
+    migration_margin_blocks: Annotated[int, Field(ge=0)] = 4
     migration_cooldown_s: Seconds = 10.0
     migration_transfer: bool | Literal["auto"] = "auto"
 
@@ -487,9 +488,9 @@ class ServerConfig(Section):
     drain_timeout_s: Seconds = 30.0
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    ingress_replicas: int = Field(1, ge=1)
+    ingress_replicas: Annotated[int, Field(ge=1)] = 1
     ingress_max_replicas: int | None = None
-    ingress_target_streams: int = Field(64, ge=1)
+    ingress_target_streams: Annotated[int, Field(ge=1)] = 64
     ingress_upscale_delay_s: Seconds = 10.0
     ingress_downscale_delay_s: Seconds = 300.0
 
