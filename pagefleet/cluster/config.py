@@ -191,6 +191,8 @@ def _reason(error: ErrorDetails, root: type[Section] | None, loc: list[Any], nou
     if kind == "finite_number":
         return f"must be a finite number, got {value}"
     if kind in _TYPE_NAMES:
+        if value is None:
+            return f"must be {_TYPE_NAMES[kind]}, not null"
         got = type(value).__name__
         if isinstance(value, (str, int, float, bool)):
             got += f" {value!r}"
@@ -539,7 +541,8 @@ class ClusterConfig(Section):
         data = {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
         pools = data.get("pools")
         if not isinstance(pools, (list, tuple)):
-            raise InvalidField("pools", f"must be a list of pools, got {type(pools).__name__}")
+            got = "nothing" if pools is None else type(pools).__name__
+            raise InvalidField("pools", f"must be a list of pools, got {got}")
         if not pools:
             raise InvalidField("pools", "must list at least one pool")
         if not data.get("tenants"):
