@@ -45,6 +45,7 @@ from pagefleet.worker.prefix_hash import hash_token_blocks
 if TYPE_CHECKING:
     from pagefleet.scheduler.state import WorkerDelta
 
+
 class NoWorkerAvailable(RuntimeError):
     """No live worker in the pool can take the request (maps to UNAVAILABLE)."""
 
