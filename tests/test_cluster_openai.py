@@ -114,7 +114,7 @@ def test_model_name_of_a_pool_resolves_to_the_tenants_pool() -> None:
         resolve_pool(config, "default", config.tenant("globex"))
     assert other.value.code is ErrorCode.NOT_FOUND
     assert other.value.message == "model 'default' does not exist"
-    assert resolve_pool(config, "", TenantConfig("x", "other")) == "other"
+    assert resolve_pool(config, "", TenantConfig(name="x", pool="other")) == "other"
 
 
 def _serve_args(**kw: object) -> argparse.Namespace:

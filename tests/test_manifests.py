@@ -77,7 +77,7 @@ def test_the_autoscaler_schema_check_rejects_a_wrong_field() -> None:
 def test_serve_config_matches_serves_deploy_schema(source: str) -> None:
     data = load("serve.yaml") if source == "serve.yaml" else serve_config_v2()
     schema = ServeDeploySchema.model_validate(data)
-    assert [app.import_path for app in schema.applications] == ["pagefleet.cluster.app:build"]
+    assert [app.import_path for app in schema.applications] == ["pagefleet.cluster.serve_app:build_application"]
 
 
 @pytest.mark.parametrize("source", ["serve.yaml", "rayservice.yaml"])

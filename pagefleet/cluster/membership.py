@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -45,10 +45,16 @@ from pagefleet.cluster.config import (
     ClusterConfig,
     PoolConfig,
 )
+from pagefleet.cluster.names import (
+    HEAD_NODE_RESOURCE,
+    MEMBERSHIP_NAME,
+    NAMESPACE,
+    worker_actor_name,
+)
+from pagefleet.scheduler.actor import shard_actor_name
 
 logger = logging.getLogger(__name__)
 
-MEMBERSHIP_NAME = "pagefleet-membership"
 # Logical CPUs a CPU-only worker asks Ray for: two workers fit a 2-core laptop
 # next to the ingress and the scheduler (which ask for none).
 CPU_WORKER_NUM_CPUS = 0.5
@@ -63,11 +69,6 @@ JOIN_TIMEOUT_S = 30.0  # from "loaded" to "in the scheduler's view, alive"
 
 class MembershipError(ValueError):
     """A scale or remove request that cannot be carried out; the message says why."""
-
-
-def worker_actor_name(worker_id: str) -> str:
-    """The named Ray actor of a worker."""
-    return f"pagefleet-worker-{worker_id}"
 
 
 def worker_resources(pool: PoolConfig, cluster_gpus: float) -> tuple[float, float]:
@@ -97,8 +98,6 @@ class Membership:
     """
 
     def __init__(self, config: ClusterConfig, namespace: str, schedulers: tuple[Any, ...]) -> None:
-        from pagefleet.scheduler.actor import shard_actor_name
-
         self._config = config
         self._namespace = namespace
         self._schedulers = schedulers
@@ -199,11 +198,11 @@ class Membership:
 
     def _create(self, pool: PoolConfig) -> _Member:
         from pagefleet.worker.actor import create_worker
-        from pagefleet.worker.config import EngineConfig
 
         num_cpus, num_gpus = worker_resources(pool, self._cluster_gpus)
-        engine_config = EngineConfig(
-            **pool.engine_kwargs(device="cuda" if num_gpus else "cpu"),
+        engine_config = replace(
+            pool.engine,
+            device="cuda" if num_gpus else "cpu",
             tenant_max_live_blocks=self._config.tenant_block_caps(),
         )
         worker_id = f"{pool.name}-{self._next_index[pool.name]}"
@@ -343,8 +342,6 @@ def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[An
     of workers; its owner (the `pagefleet serve` driver or the `WorkerOwner`
     replica) ends with it anyway.
     """
-    from pagefleet.cluster.app import HEAD_NODE_RESOURCE, NAMESPACE
-
     actor = ray.remote(Membership).options(
         name=MEMBERSHIP_NAME,
         namespace=NAMESPACE,
@@ -357,8 +354,6 @@ def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[An
 
 def get_membership() -> Any:
     """The running deployment's `Membership` actor; MembershipError when none runs."""
-    from pagefleet.cluster.app import NAMESPACE
-
     try:
         return ray.get_actor(MEMBERSHIP_NAME, namespace=NAMESPACE)
     except ValueError:

@@ -263,7 +263,7 @@ def resolve_pool(config: ClusterConfig, model: str, tenant: TenantConfig) -> str
     visible = config.visible_pools(tenant)
     if model in visible:
         return model
-    serving = [p.name for p in config.pools if p.model == model and p.name in visible]
+    serving = [p.name for p in config.pools if p.engine.model == model and p.name in visible]
     if serving:
         return tenant.pool if tenant.pool in serving else serving[0]
     # The same answer for a pool that exists but is another tenant's: nothing to learn.
@@ -691,10 +691,10 @@ class _OpenAIApi:
             "object": "model",
             "created": self._created,
             "owned_by": "pagefleet",
-            "root": str(pool.model),
+            "root": str(pool.engine.model),
         }
-        if pool.max_model_len is not None:  # else the model's own limit, unknown here
-            entry["max_model_len"] = pool.max_model_len
+        if pool.engine.max_model_len is not None:  # else the model's own limit, unknown here
+            entry["max_model_len"] = pool.engine.max_model_len
         return entry
 
     async def models(self, request: Request) -> Response:

@@ -35,7 +35,7 @@ class Prompts:
     def tokenizer(self, pool: PoolConfig) -> Any:
         """The pool's HF tokenizer, loaded on first use (None: the model has none)."""
         if pool.name not in self._tokenizers:
-            self._tokenizers[pool.name] = load_tokenizer(pool.model)
+            self._tokenizers[pool.name] = load_tokenizer(str(pool.engine.model))
         return self._tokenizers[pool.name]
 
     async def token_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
@@ -53,7 +53,7 @@ class Prompts:
     def _max_prompt_chars(self, pool: PoolConfig) -> int | None:
         """No prompt longer than this fits: max_model_len tokens x the longest token's characters."""
         tokenizer = self.tokenizer(pool)
-        limit = pool.max_model_len or getattr(tokenizer, "model_max_length", None)
+        limit = pool.engine.max_model_len or getattr(tokenizer, "model_max_length", None)
         if not isinstance(limit, int) or limit > UNKNOWN_MODEL_LEN:
             return None  # HF's placeholder for "no limit known": the message size bounds it
         if pool.name not in self._max_token_chars:
@@ -77,7 +77,7 @@ def check_length(pool: PoolConfig, prompt_ids: list[int], params: SamplingParams
     """INVALID_ARGUMENT for an empty prompt, or one that cannot fit with its max_tokens."""
     if not prompt_ids:
         raise IngressError(ErrorCode.INVALID_ARGUMENT, "prompt is empty")
-    limit = pool.max_model_len
+    limit = pool.engine.max_model_len
     if limit is not None and len(prompt_ids) + params.max_tokens > limit:
         raise IngressError(
             ErrorCode.INVALID_ARGUMENT,

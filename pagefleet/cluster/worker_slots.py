@@ -104,7 +104,7 @@ class WorkerSlots:
             self._pools[pool.name] = []
             for worker_id, handle in workers.get(pool.name, ()):
                 self._add(worker_id, pool.name, handle)
-                router.add_worker(worker_id, pool.name, block_size=pool.block_size)
+                router.add_worker(worker_id, pool.name, block_size=pool.engine.block_size)
                 # Out of routing until the scheduler's view has it (it may still be loading).
                 router.set_alive(worker_id, False)
         # Per pool, (time, pool-wide preemptions so far) samples of the last minute.
@@ -248,7 +248,7 @@ class WorkerSlots:
         hits = sum(s.report.prefix_hit_tokens for s in slots if s.report)
         entry: dict[str, Any] = {
             "name": cfg.name,
-            "model": str(cfg.model),
+            "model": str(cfg.engine.model),
             "live_workers": len(live),
             "hit_rate": hits / query if query else 0.0,
             # Cumulative over the workers' incarnations now reporting.

@@ -92,7 +92,7 @@ def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
     if not local:
         return
     for i, pool in enumerate(config.pools):
-        problem = model_problem(pool.model)
+        problem = model_problem(pool.engine.model)
         if problem is None and pool.device == "cuda":
             problem = device_problem("cuda")
         if problem is not None:

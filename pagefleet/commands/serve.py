@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import socket
 import threading
@@ -36,12 +35,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--ingress-replicas", type=int, metavar="N",
                         help="ingress replicas sharing the ports (default: config, 1)")
     parser.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. auto, HOST:6379)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config (with the flags above applied), print it with every "
+                        "default filled in, as YAML, and exit without starting anything")
     parser.set_defaults(func=run)
     return parser
 
 
 def load_config(args: argparse.Namespace) -> Any:
-    """The cluster config from --config (or the default), with --model/--workers/--http-port applied."""
+    """The cluster config from --config (or the default), with --model/--workers and the
+    port and replica flags applied, validated as one."""
     from pagefleet.cli import CommandError
     from pagefleet.cluster.config import ClusterConfig, ConfigError
 
@@ -52,20 +55,33 @@ def load_config(args: argparse.Namespace) -> Any:
             config = ClusterConfig.default(model=DEFAULT_MODEL)
         if args.model is not None or args.workers is not None:
             config = config.with_overrides(model=args.model, workers=args.workers)
+        server: dict[str, Any] = {}
+        grpc_port = getattr(args, "grpc_port", None)
+        if grpc_port is not None:
+            if not 0 <= grpc_port <= 65535:
+                raise CommandError(f"--grpc-port must be in [0, 65535], got {grpc_port}")
+            server["grpc_port"] = grpc_port
         http_port = getattr(args, "http_port", None)
         if http_port is not None:
             if not -1 <= http_port <= 65535:
                 raise CommandError(f"--http-port must be in [0, 65535] or -1 (disabled), got {http_port}")
             # -1 disables the OpenAI HTTP server (null in the config file).
-            server = dataclasses.replace(config.server, http_port=None if http_port < 0 else http_port)
-            config = dataclasses.replace(config, server=server)
+            server["http_port"] = None if http_port < 0 else http_port
         replicas = getattr(args, "ingress_replicas", None)
         if replicas is not None:
-            server = dataclasses.replace(config.server, ingress_replicas=replicas)
-            config = dataclasses.replace(config, server=server)
+            server["ingress_replicas"] = replicas
+        if server:
+            config = config.replace(server=server)
     except (ConfigError, OSError) as exc:
         raise CommandError(f"invalid config: {exc}") from exc
     return config
+
+
+def print_resolved(config: Any) -> None:
+    """`--check`: the config as YAML, every default filled in (API keys hidden)."""
+    import yaml
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
@@ -91,23 +107,22 @@ def prepare_models(config: Any) -> None:
 
     for pool in config.pools:
         try:
-            resolve_model_path(pool.model)
+            resolve_model_path(pool.engine.model)
         except ModelFileError as exc:
             raise CommandError(f"pool {pool.name}: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagefleet.cli import CommandError
 
     config = load_config(args)
+    if args.check:
+        print_resolved(config)
+        return 0
     preflight.check_serve(config, local=args.address is None, metrics_port=args.metrics_port)
     from pagefleet.cluster.app import start_cluster  # imports Ray: only once the input is good
-    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
-        raise CommandError(f"--grpc-port must be in [0, 65535], got {args.grpc_port}")
-    grpc_port = config.server.grpc_port if args.grpc_port is None else args.grpc_port
+
+    grpc_port = config.server.grpc_port
     http_port = config.server.http_port
-    if http_port and http_port == grpc_port:
-        raise CommandError(f"the gRPC and HTTP ports must differ, both are {grpc_port}")
     if args.address is None:
         # The local ingress binds on this machine: a busy port is a one-line error here
         # rather than a failed Serve deployment after the workers have loaded.
@@ -126,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
         cluster = start_cluster(
             config,
             address=args.address,
-            grpc_port=args.grpc_port,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         )
         # Only now: ray.init replaces the SIGTERM handler with its own sys.exit, which
@@ -135,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
         print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
         for pool in config.pools:
-            print(f"  pool {pool.name}: model={pool.model} workers={pool.workers}", flush=True)
+            print(f"  pool {pool.name}: model={pool.engine.model} workers={pool.workers}", flush=True)
         print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
         if cluster.http_port is not None:
             scheme = "https" if config.server.tls else "http"
