@@ -19,18 +19,6 @@ from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 
 
-def _keyed_config() -> ClusterConfig:
-    return ClusterConfig.from_dict(
-        {
-            "pools": [{"name": "a"}, {"name": "b"}],
-            "tenants": [
-                {"name": "alice", "pool": "a", "api_key": "k-alice"},
-                {"name": "bob", "pool": "b", "api_key": "k-bob", "salt": "bob-salt"},
-            ],
-        }
-    )
-
-
 def test_unset_sampling_fields_take_the_engine_defaults() -> None:
     req = request_from_proto(pb.GenerateRequest(prompt="hi"))
     assert req.params == SamplingParams(max_tokens=16)
@@ -77,38 +65,6 @@ def test_api_key_comes_from_x_api_key_or_a_bearer_token(
     metadata: tuple[tuple[str, str], ...], key: str | None
 ) -> None:
     assert api_key_from_metadata(metadata) == key
-
-
-def test_unknown_api_key_is_unauthenticated() -> None:
-    ingress = Ingress(_keyed_config(), {})
-    with pytest.raises(IngressError) as err:
-        ingress.authenticate("wrong")
-    assert err.value.code is ErrorCode.UNAUTHENTICATED
-    with pytest.raises(IngressError):
-        ingress.authenticate(None)
-
-
-def test_tenant_runs_in_its_own_pool_and_another_pool_answers_like_an_unknown_one() -> None:
-    ingress = Ingress(_keyed_config(), {})
-    bob = ingress.authenticate("k-bob")
-    assert bob.cache_salt() == "bob-salt"
-    assert ingress.tenant_pool(bob, "") == "b"
-    with pytest.raises(IngressError) as other:
-        ingress.tenant_pool(bob, "a")
-    with pytest.raises(IngressError) as unknown:
-        ingress.tenant_pool(bob, "zz")
-    assert other.value.code is unknown.value.code is ErrorCode.NOT_FOUND
-    assert other.value.message.replace("'a'", "'zz'") == unknown.value.message
-
-
-def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:
-    config = ClusterConfig.from_dict({"pools": [{"name": "a"}, {"name": "b"}]})
-    ingress = Ingress(config, {})
-    tenant = ingress.authenticate(None)
-    assert ingress.tenant_pool(tenant, "b") == "b"
-    with pytest.raises(IngressError) as err:
-        ingress.tenant_pool(tenant, "c")
-    assert err.value.code is ErrorCode.NOT_FOUND
 
 
 def test_pool_without_live_workers_is_unavailable() -> None:

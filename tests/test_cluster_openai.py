@@ -24,10 +24,10 @@ from cluster_fixtures import pool_status, wait_for
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
-from pagefleet.cluster.api import ErrorCode, IngressError
+from pagefleet.cluster.api import IngressError
 from pagefleet.cluster.app import RunningCluster, start_cluster
-from pagefleet.cluster.config import ClusterConfig, TenantConfig
-from pagefleet.cluster.openai_http import chat_prompt, parse_request, resolve_pool
+from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.openai_http import chat_prompt, parse_request
 from pagefleet.commands.serve import check_port_free, load_config
 
 BLOCK_SIZE = 16
@@ -105,16 +105,6 @@ def test_parse_rejects_n_above_one_saying_so() -> None:
 def test_parse_rejects_a_batch_of_two_prompts() -> None:
     with pytest.raises(IngressError, match="batched prompts are not supported"):
         parse_request({"prompt": ["a", "b"]}, chat=False)
-
-
-def test_model_name_of_a_pool_resolves_to_the_tenants_pool() -> None:
-    config = openai_cluster_config()
-    assert resolve_pool(config, "tiny", config.tenant("globex")) == "other"
-    with pytest.raises(IngressError) as other:  # another tenant's pool: as if it did not exist
-        resolve_pool(config, "default", config.tenant("globex"))
-    assert other.value.code is ErrorCode.NOT_FOUND
-    assert other.value.message == "model 'default' does not exist"
-    assert resolve_pool(config, "", TenantConfig("x", "other")) == "other"
 
 
 def _serve_args(**kw: object) -> argparse.Namespace:

@@ -3,45 +3,26 @@
 The wire protocols depend on this module and on nothing of each other: the
 request and delta types, the error codes, the API-key rule, and `Front`, the
 interface of the ingress they serve (`pagefleet.cluster.ingress.Ingress`
-implements it).
+implements it). Authentication and the pool rule are `Front.tenancy`
+(`pagefleet.cluster.tenancy`); errors and their wire codes are
+`pagefleet.cluster.errors`.
 """
 
 from __future__ import annotations
 
-import enum
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
+from pagefleet.cluster.errors import ErrorCode, IngressError
+from pagefleet.cluster.tenancy import Tenancy
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
 
 # max_tokens when a request leaves it unset (0 on gRPC, absent in JSON).
 DEFAULT_MAX_TOKENS = 16
-
-
-class ErrorCode(enum.Enum):
-    """Why the ingress refused or ended a request (mapped to gRPC status codes)."""
-
-    INVALID_ARGUMENT = "invalid_argument"
-    UNAUTHENTICATED = "unauthenticated"
-    PERMISSION_DENIED = "permission_denied"
-    NOT_FOUND = "not_found"
-    ALREADY_EXISTS = "already_exists"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    INTERNAL = "internal"
-
-
-class IngressError(Exception):
-    """A request the ingress cannot serve; `code` says why, `message` says what to fix."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 # Token ids travel as int32 on gRPC; no vocabulary comes near it.
@@ -133,11 +114,6 @@ class StreamDelta:
     logprobs: list[Any] | None = None
 
 
-def unknown_pool(name: str) -> IngressError:
-    """NOT_FOUND for a pool the caller may not see; names no other pool."""
-    return IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}")
-
-
 def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """The client's API key: `x-api-key: KEY` or `authorization: Bearer KEY`."""
     for key, value in metadata or ():
@@ -154,6 +130,7 @@ class Front(Protocol):
     """What a front calls on the ingress it serves."""
 
     config: ClusterConfig
+    tenancy: Tenancy
     replica_id: str
 
     def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
@@ -163,14 +140,6 @@ class Front(Protocol):
     async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
         """Abort `tenant`'s request; False when it has none of that id. `anywhere`: also one
         another ingress replica streams (False: only this replica's own)."""
-        ...
-
-    def authenticate(self, api_key: str | None) -> TenantConfig:
-        """The tenant of an API key (UNAUTHENTICATED when none)."""
-        ...
-
-    def tenant_pool(self, tenant: TenantConfig, requested: str) -> str:
-        """The pool the tenant's request runs in (NOT_FOUND for one it may not use)."""
         ...
 
     def tokenizer(self, pool: str) -> Any:
@@ -188,3 +157,14 @@ class Front(Protocol):
     def worker_reports(self) -> dict[str, LoadReport | None]:
         """Each worker's latest load report."""
         ...
+
+
+__all__ = [
+    "ErrorCode",
+    "Front",
+    "GenerationRequest",
+    "IngressError",
+    "StreamDelta",
+    "api_key_from_metadata",
+    "scoped_request_id",
+]

@@ -28,10 +28,8 @@ from starlette.routing import Route
 
 from pagefleet.cluster.api import Front, IngressError, api_key_from_metadata
 from pagefleet.cluster.config import TenantConfig
+from pagefleet.cluster.errors import WIRE_STATUS
 from pagefleet.worker.events import LoadReport
-
-# HTTP status of an authentication failure on the JSON endpoint.
-_AUTH_STATUS = {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
 
 
 def snapshot(ingress: Front, tenant: TenantConfig | None = None) -> dict[str, Any]:
@@ -43,8 +41,8 @@ def snapshot(ingress: Front, tenant: TenantConfig | None = None) -> dict[str, An
     """
     reports = ingress.worker_reports()
     pools = ingress.status(tenant=tenant)
-    names = {t.cache_salt(): t.name for t in ingress.config.tenants}
-    own = tenant.name if tenant is not None and ingress.config.auth_required else None
+    names = ingress.tenancy.salt_names()
+    own = tenant.name if tenant is not None and ingress.tenancy.auth_required else None
     for pool in pools:
         preemptions = evictions = 0
         for worker in pool["workers"]:
@@ -81,9 +79,9 @@ def dashboard_routes(ingress: Front) -> list[Route]:
 
     async def state(request: Request) -> Response:
         try:
-            tenant = ingress.authenticate(api_key_from_metadata(request.headers.items()))
+            tenant = ingress.tenancy.authenticate(api_key_from_metadata(request.headers.items()))
         except IngressError as exc:
-            status = _AUTH_STATUS.get(exc.code.name, 400)
+            status = WIRE_STATUS[exc.code].http
             return JSONResponse({"error": {"message": exc.message}}, status_code=status)
         return JSONResponse(snapshot(ingress, tenant), headers={"cache-control": "no-store"})
 

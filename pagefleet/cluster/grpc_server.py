@@ -29,23 +29,14 @@ from pagefleet.cluster.api import (
     api_key_from_metadata,
 )
 from pagefleet.cluster.drain import Drain
+from pagefleet.cluster.errors import WIRE_STATUS
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.cluster.tenancy import Target
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-
-_STATUS_CODES = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
 
@@ -126,8 +117,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
-            pool = self._ingress.tenant_pool(tenant, request.pool)
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
+            )
+            pool = self._ingress.tenancy.pool_for(tenant, Target(request.pool)).name
             req = request_from_proto(
                 request, pool=pool, salt=tenant.cache_salt(), tenant=tenant.name
             )
@@ -136,7 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for delta in self._drain.generate(req):
                 yield delta_to_proto(delta)
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: say so with INTERNAL, never a bare UNKNOWN
@@ -147,9 +140,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
+            )
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
         await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
         # Scoped to the caller: another tenant's request of this id is "not found". Any
         # replica finds it: the one that holds it, or the workers on behalf of another.
@@ -159,10 +154,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
+            )
             pools = self._ingress.status(request.pool or None, tenant)
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
         return json_format.ParseDict({"pools": pools}, pb.StatusResponse())
 
 

@@ -57,19 +57,14 @@ from ray.exceptions import (
 )
 
 from pagefleet.cluster.admission import Admission
-from pagefleet.cluster.api import (
-    ErrorCode,
-    GenerationRequest,
-    IngressError,
-    StreamDelta,
-    scoped_request_id,
-    unknown_pool,
-)
+from pagefleet.cluster.api import GenerationRequest, StreamDelta, scoped_request_id
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
+from pagefleet.cluster.errors import AlreadyExists, ErrorCode, IngressError, Internal
 from pagefleet.cluster.fleet_view import FleetView, RouteSharer
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.prompts import Prompts, check_length
 from pagefleet.cluster.router import Router
+from pagefleet.cluster.tenancy import Tenancy, unknown_pool
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
@@ -126,6 +121,7 @@ class Ingress:
         resolve_worker: Callable[[str], Any] | None = None,
     ) -> None:
         self.config = config
+        self.tenancy = Tenancy(config)
         self.metrics = metrics
         # The pid lets an operator (or a test) find the replica's process from a stream.
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -208,9 +204,7 @@ class Ingress:
         """Stream one request; raises IngressError before or during the stream."""
         pool = self.pool_config(req.pool)
         if req.key in self._running or self.admission.is_waiting(req.key):
-            raise IngressError(
-                ErrorCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running"
-            )
+            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
         prompt_ids = await self._prompts.token_ids(pool, req.prompt)
         check_length(pool, prompt_ids, req.params)
         started = time.monotonic()
@@ -247,7 +241,7 @@ class Ingress:
                 try:
                     async for item in self._stream(state.slot, req, prompt, params, kv):
                         if item.error is not None:
-                            raise IngressError(ErrorCode(item.error_code), item.error)
+                            raise IngressError.of(ErrorCode(item.error_code), item.error)
                         if cached_tokens is None:
                             cached_tokens = item.cached_tokens
                         streamed.extend(item.token_ids)
@@ -275,15 +269,13 @@ class Ingress:
                             finished = True
                             self._observe_done(pool.name, started, first_token_at, len(streamed))
                             return
-                    raise IngressError(
-                        ErrorCode.INTERNAL,
+                    raise Internal(
                         f"worker {state.slot.worker_id} ended the stream without a finish reason",
                     )
                 except RayTaskError as exc:
                     # The worker is alive but its code failed on this request (e.g. its
                     # engine thread died): not a client error, not a lost worker.
-                    raise IngressError(
-                        ErrorCode.INTERNAL,
+                    raise Internal(
                         f"worker {state.slot.worker_id} failed: {type(exc.cause).__name__}: {exc.cause}",
                     ) from exc
                 except Migrated as exc:
@@ -379,10 +371,7 @@ class Ingress:
 
         The key is tenant-scoped, so another tenant's request is never found.
         """
-        try:
-            pools = self.config.visible_pools(self.config.tenant(tenant))
-        except KeyError:
-            pools = self.config.visible_pools(None)
+        pools = self.tenancy.visible_pools(self.tenancy.tenant(tenant))
         calls = [
             slot.handle.abort_key.remote(key)
             for name in pools
@@ -465,29 +454,6 @@ class Ingress:
         finally:
             leaving.cancel()
 
-    # ----- tenants ------------------------------------------------------
-
-    def authenticate(self, api_key: str | None) -> TenantConfig:
-        """The tenant an API key belongs to (None: the open tenant, if one exists)."""
-        tenant = self.config.tenant_for_api_key(api_key)
-        if tenant is None:
-            raise IngressError(
-                ErrorCode.UNAUTHENTICATED,
-                "missing API key" if api_key is None else "unknown API key",
-            )
-        return tenant
-
-    def tenant_pool(self, tenant: TenantConfig, requested: str) -> str:
-        """The pool a tenant's request runs in: its own, or the one it asked for when auth is off."""
-        if not requested or requested == tenant.pool:
-            return tenant.pool
-        if self.config.auth_required:
-            # Exactly the answer of an unknown pool: a tenant learns nothing of others' pools.
-            raise unknown_pool(requested)
-        self.pool_config(requested)  # NOT_FOUND for an unknown pool
-        return requested
-
-
     # ----- pools --------------------------------------------------------
 
     def pool_config(self, name: str) -> PoolConfig:
@@ -539,7 +505,7 @@ class Ingress:
         With `tenant`, only the pools it may use; another tenant's pool is NOT_FOUND,
         exactly like an unknown one.
         """
-        visible = self.config.visible_pools(tenant)
+        visible = self.tenancy.visible_pools(tenant)
         if pool and pool not in visible:
             raise unknown_pool(pool)
         pools = [self.pool_config(pool)] if pool else [self.pool_config(p) for p in visible]

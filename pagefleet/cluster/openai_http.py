@@ -46,26 +46,15 @@ from pagefleet.cluster.api import (
     StreamDelta,
     api_key_from_metadata,
 )
-from pagefleet.cluster.config import ClusterConfig, ServerConfig, TenantConfig
+from pagefleet.cluster.config import ServerConfig, TenantConfig
 from pagefleet.cluster.dashboard import dashboard_routes
 from pagefleet.cluster.drain import Drain
+from pagefleet.cluster.errors import WIRE_STATUS
+from pagefleet.cluster.tenancy import Target
 from pagefleet.worker.chat import ChatTemplateError
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 
 logger = logging.getLogger(__name__)
-
-# HTTP status and OpenAI error `type` per ingress error code.
-_HTTP_ERRORS: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    ErrorCode.UNAUTHENTICATED: (401, "authentication_error"),
-    ErrorCode.PERMISSION_DENIED: (403, "permission_error"),
-    ErrorCode.NOT_FOUND: (404, "not_found_error"),
-    ErrorCode.ALREADY_EXISTS: (409, "conflict_error"),
-    # Queues full: 429 makes OpenAI clients back off and retry.
-    ErrorCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    ErrorCode.INTERNAL: (500, "server_error"),
-}
 
 # OpenAI's documented default; pass temperature 0 for greedy decoding.
 DEFAULT_TEMPERATURE = 1.0
@@ -253,36 +242,19 @@ def chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str | list[in
         raise _invalid(str(exc)) from exc
 
 
-def resolve_pool(config: ClusterConfig, model: str, tenant: TenantConfig) -> str:
-    """The pool a request's `model` names: a pool name, else a pool serving that model.
-
-    No model: the tenant's pool. Unknown: NOT_FOUND (404).
-    """
-    if not model:
-        return tenant.pool
-    visible = config.visible_pools(tenant)
-    if model in visible:
-        return model
-    serving = [p.name for p in config.pools if p.model == model and p.name in visible]
-    if serving:
-        return tenant.pool if tenant.pool in serving else serving[0]
-    # The same answer for a pool that exists but is another tenant's: nothing to learn.
-    raise IngressError(ErrorCode.NOT_FOUND, f"model {model!r} does not exist")
-
-
 # ----- response objects -----------------------------------------------------------------
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, Any]:
     """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
-    _, kind = _HTTP_ERRORS[code]
-    wire_code = "model_not_found" if code is ErrorCode.NOT_FOUND else code.value
-    return {"error": {"message": message, "type": kind, "param": None, "code": wire_code}}
+    wire = WIRE_STATUS[code]
+    return {
+        "error": {"message": message, "type": wire.openai_type, "param": None, "code": wire.openai_code}
+    }
 
 
 def error_response(exc: IngressError) -> JSONResponse:
-    status, _ = _HTTP_ERRORS[exc.code]
-    return JSONResponse(error_body(exc.code, exc.message), status_code=status)
+    return JSONResponse(error_body(exc.code, exc.message), status_code=WIRE_STATUS[exc.code].http)
 
 
 def usage(delta: StreamDelta) -> dict[str, Any]:
@@ -520,7 +492,7 @@ async def _send_json(send: Send, status: int, body: Mapping[str, Any]) -> None:
 
 
 async def _send_error(send: Send, exc: IngressError) -> None:
-    await _send_json(send, _HTTP_ERRORS[exc.code][0], error_body(exc.code, exc.message))
+    await _send_json(send, WIRE_STATUS[exc.code].http, error_body(exc.code, exc.message))
 
 
 # ----- reading the body -------------------------------------------------------------------
@@ -636,7 +608,7 @@ class _OpenAIApi:
 
     def _tenant(self, request: Request) -> TenantConfig:
         # Same header rules as gRPC metadata: `authorization: Bearer KEY` or `x-api-key`.
-        return self._ingress.authenticate(api_key_from_metadata(request.headers.items()))
+        return self._ingress.tenancy.authenticate(api_key_from_metadata(request.headers.items()))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -649,8 +621,7 @@ class _OpenAIApi:
             tenant = self._tenant(request)
             body = await read_json(request, self._ingress.config.server)
             parsed = parse_request(body, chat=chat)
-            config = self._ingress.config
-            pool = self._ingress.tenant_pool(tenant, resolve_pool(config, parsed.model, tenant))
+            pool = self._ingress.tenancy.pool_for(tenant, Target(parsed.model, "model")).name
             if chat:
                 assert isinstance(parsed.prompt, list)
                 # A chat template may tokenize: off the event loop, like text prompts.
@@ -702,14 +673,14 @@ class _OpenAIApi:
             tenant = self._tenant(request)
         except IngressError as exc:
             return error_response(exc)
-        data = [self._model_entry(name) for name in self._ingress.config.visible_pools(tenant)]
+        data = [self._model_entry(name) for name in self._ingress.tenancy.visible_pools(tenant)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
             name = request.path_params["model"]
-            if name not in self._ingress.config.visible_pools(tenant):
+            if name not in self._ingress.tenancy.visible_pools(tenant):
                 raise IngressError(ErrorCode.NOT_FOUND, f"model {name!r} does not exist")
         except IngressError as exc:
             return error_response(exc)
@@ -849,6 +820,5 @@ __all__ = [
     "chat_prompt",
     "error_body",
     "parse_request",
-    "resolve_pool",
     "start_http_server",
 ]
