@@ -7,7 +7,13 @@ import asyncio
 
 import pytest
 
-from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError, api_key_from_metadata
+from pagefleet.cluster.api import (
+    ErrorCode,
+    GenerationRequest,
+    IngressError,
+    Target,
+    api_key_from_metadata,
+)
 from pagefleet.cluster.client import build_request, format_status, sampling_to_proto
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.grpc_server import request_from_proto
@@ -44,7 +50,7 @@ def test_client_request_round_trips_through_the_server_validation() -> None:
     req = request_from_proto(build_request([1, 2, 3], params, request_id="r1", pool="a"))
     assert req.prompt == (1, 2, 3)
     assert req.params == params
-    assert (req.request_id, req.pool) == ("r1", "a")
+    assert (req.request_id, req.target) == ("r1", Target("a"))
 
 
 def test_sampling_to_proto_accepts_a_mapping_and_overrides() -> None:
@@ -78,9 +84,7 @@ def test_pool_without_live_workers_is_unavailable() -> None:
 
 
 def _request(request_id: str) -> GenerationRequest:
-    return GenerationRequest.create(
-        request_id=request_id, prompt=[1, 2, 3], sampling={}, tenant="default"
-    )
+    return GenerationRequest(request_id, (1, 2, 3), SamplingParams(), tenant="default")
 
 
 def _two_full_workers() -> Ingress:
@@ -170,10 +174,10 @@ def test_text_prompt_for_a_model_without_tokenizer_is_invalid_argument(tmp_path)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(ensure_tiny_model() / name, tmp_path / name)
     ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a", "model": str(tmp_path)}]}), {})
-    req = GenerationRequest.create(request_id="r0", prompt="hello", sampling={})
+    tenant = ingress.tenancy.authenticate(None)
 
     async def first() -> None:
-        await anext(ingress.generate(req))
+        await anext(ingress.submit(tenant, Target(), "hello", SamplingParams()))
 
     with pytest.raises(IngressError) as err:
         asyncio.run(first())

@@ -84,8 +84,8 @@ def test_chat_without_template_joins_role_lines_and_ends_with_assistant() -> Non
 def test_parse_accepts_a_stop_string_and_a_batch_of_one_prompt() -> None:
     parsed = parse_request({"prompt": ["Hello"], "stop": "\n", "temperature": 0}, chat=False)
     assert parsed.prompt == "Hello"
-    assert parsed.sampling["stop"] == ("\n",)
-    assert parsed.sampling["temperature"] == 0.0
+    assert parsed.params.stop == ("\n",)
+    assert parsed.params.temperature == 0.0
 
 
 def test_parse_takes_vllms_priority_extension_and_checks_its_type() -> None:

@@ -57,14 +57,19 @@ from ray.exceptions import (
 )
 
 from pagefleet.cluster.admission import Admission
-from pagefleet.cluster.api import GenerationRequest, StreamDelta, scoped_request_id
+from pagefleet.cluster.api import (
+    GenerationRequest,
+    StreamDelta,
+    request_id_or_new,
+    scoped_request_id,
+)
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
 from pagefleet.cluster.errors import AlreadyExists, ErrorCode, IngressError, Internal
 from pagefleet.cluster.fleet_view import FleetView, RouteSharer
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.prompts import Prompts, check_length
 from pagefleet.cluster.router import Router
-from pagefleet.cluster.tenancy import Tenancy, unknown_pool
+from pagefleet.cluster.tenancy import Target, Tenancy, unknown_pool
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
@@ -200,13 +205,35 @@ class Ingress:
 
     # ----- requests -----------------------------------------------------
 
-    async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
-        """Stream one request; raises IngressError before or during the stream."""
-        pool = self.pool_config(req.pool)
-        if req.key in self._running or self.admission.is_waiting(req.key):
-            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
-        prompt_ids = await self._prompts.token_ids(pool, req.prompt)
-        check_length(pool, prompt_ids, req.params)
+    async def submit(
+        self,
+        tenant: TenantConfig,
+        target: Target,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """Stream one request of `tenant`: its pool (`Tenancy.pool_for`), its prompt tokenized
+        once here and checked against the pool's limits, then admitted and run. Raises
+        IngressError before or during the stream."""
+        pool = self.tenancy.pool_for(tenant, target)
+        request_id = request_id_or_new(request_id)
+        key = scoped_request_id(tenant.name, request_id)
+        if key in self._running or self.admission.is_waiting(key):
+            raise AlreadyExists(f"request_id {request_id!r} is already running")
+        prompt_ids = await self._prompts.token_ids(pool, prompt)
+        check_length(pool, prompt_ids, params)
+        req = GenerationRequest(
+            request_id, tuple(prompt_ids), params, priority, pool.name, tenant.cache_salt(), tenant.name
+        )
+        async with contextlib.aclosing(self._run(req, pool)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _run(self, req: GenerationRequest, pool: PoolConfig) -> AsyncGenerator[StreamDelta, None]:
+        prompt_ids = list(req.prompt_ids)
         started = time.monotonic()
         admitted = self.admission.admit(pool, req, prompt_ids)
         first_token_at: float | None = None
@@ -230,12 +257,7 @@ class Ingress:
                 remaining = req.params.max_tokens - len(streamed)
                 params = dataclasses.replace(req.params, max_tokens=remaining)
                 # After a failover the new worker recomputes prompt + streamed tokens.
-                # The first attempt sends the prompt as the client gave it so a
-                # text prompt is tokenized by the engine exactly as offline.
-                prompt: str | list[int] = (
-                    req.prompt if not streamed and isinstance(req.prompt, str)
-                    else [*prompt_ids, *streamed]
-                )
+                prompt = (*prompt_ids, *streamed)
                 state.tried.add(state.slot.worker_id)
                 state.slot.requests_routed += 1
                 try:
@@ -410,7 +432,7 @@ class Ingress:
         self,
         slot: WorkerSlot,
         req: GenerationRequest,
-        prompt: str | list[int],
+        prompt: tuple[int, ...],
         params: SamplingParams,
         kv: KVHandoff | None = None,
     ) -> AsyncIterator[TokenDelta]:
@@ -427,7 +449,7 @@ class Ingress:
             raise WorkerLeftRouting(slot.worker_id)
         request = WorkerRequest(
             self._worker_rid(req.key),
-            prompt if isinstance(prompt, str) else tuple(prompt),
+            prompt,
             params,
             req.priority,
             req.salt,

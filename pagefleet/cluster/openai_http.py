@@ -38,21 +38,21 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagefleet.cluster.api import (
-    DEFAULT_MAX_TOKENS,
     ErrorCode,
     Front,
-    GenerationRequest,
     IngressError,
     StreamDelta,
+    Target,
     api_key_from_metadata,
+    sampling_params,
 )
 from pagefleet.cluster.config import ServerConfig, TenantConfig
 from pagefleet.cluster.dashboard import dashboard_routes
 from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.errors import WIRE_STATUS
-from pagefleet.cluster.tenancy import Target
 from pagefleet.worker.chat import ChatTemplateError
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
+from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class OpenAIRequest:
     model: str
     # Completions: the prompt (text or token ids). Chat: the messages.
     prompt: str | list[int] | list[dict[str, str]]
-    sampling: dict[str, Any]
+    params: SamplingParams
     stream: bool
     include_usage: bool
     # vLLM's extension: larger is admitted first and preempted last.
@@ -108,8 +108,8 @@ def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], wh
     return value
 
 
-def _sampling(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
-    """SamplingParams keyword arguments from an OpenAI body (values checked by SamplingParams)."""
+def _sampling(body: Mapping[str, Any], *, chat: bool) -> SamplingParams:
+    """The SamplingParams of an OpenAI body (values checked by SamplingParams)."""
     for name, neutral in _UNSUPPORTED.items():
         if name in body and not neutral(body[name]):
             raise _invalid(f"{name} is not supported by this server (got {body[name]!r})")
@@ -136,18 +136,18 @@ def _sampling(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
     if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
         raise _invalid(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}")
     ignore_eos = _typed(body, "ignore_eos", bool, "a boolean")
-    return {
-        "logprobs": _logprobs(body, chat=chat),
-        "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-        "top_p": 1.0 if top_p is None else float(top_p),
+    return sampling_params(
+        logprobs=_logprobs(body, chat=chat),
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p),
         # -1 is how vLLM spells "off"; SamplingParams uses 0.
-        "top_k": 0 if top_k in (None, -1) else top_k,
-        "seed": seed,
-        "stop": stop,
-        "stop_token_ids": tuple(stop_token_ids),
-        "ignore_eos": bool(ignore_eos),
-    }
+        top_k=None if top_k == -1 else top_k,
+        seed=seed,
+        stop=stop,
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
 
 
 def _logprobs(body: Mapping[str, Any], *, chat: bool) -> int | None:
@@ -227,7 +227,7 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
         chat=chat,
         model=model or "",
         prompt=prompt,
-        sampling=_sampling(body, chat=chat),
+        params=_sampling(body, chat=chat),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage")),
         priority=priority or 0,
@@ -621,7 +621,8 @@ class _OpenAIApi:
             tenant = self._tenant(request)
             body = await read_json(request, self._ingress.config.server)
             parsed = parse_request(body, chat=chat)
-            pool = self._ingress.tenancy.pool_for(tenant, Target(parsed.model, "model")).name
+            target = Target(parsed.model, "model")
+            pool = self._ingress.tenancy.pool_for(tenant, target).name
             if chat:
                 assert isinstance(parsed.prompt, list)
                 # A chat template may tokenize: off the event loop, like text prompts.
@@ -630,30 +631,17 @@ class _OpenAIApi:
                 )
             else:
                 prompt = parsed.prompt  # type: ignore[assignment]
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            try:
-                req = GenerationRequest.create(
-                    request_id=request_id,
-                    prompt=prompt,
-                    sampling=parsed.sampling,
-                    priority=parsed.priority,
-                    pool=pool,
-                    salt=tenant.cache_salt(),
-                    tenant=tenant.name,
-                )
-            except ValueError as exc:  # SamplingParams names the field and the limit
-                raise _invalid(str(exc)) from exc
         except IngressError as exc:
             return error_response(exc)
         except _BodyError as exc:
             return JSONResponse(error_body(ErrorCode.INVALID_ARGUMENT, str(exc)), status_code=exc.status)
-        tokenizer = (
-            self._ingress.tokenizer(pool) if parsed.sampling["logprobs"] is not None else None
-        )
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tokenizer = self._ingress.tokenizer(pool) if parsed.params.logprobs is not None else None
         fmt = _Format(chat, request_id, parsed.model or pool, int(time.time()), tokenizer)
-        return GenerationResponse(
-            self._drain.generate(req), fmt, stream=parsed.stream, include_usage=parsed.include_usage
+        deltas = self._drain.submit(
+            tenant, target, prompt, parsed.params, request_id=request_id, priority=parsed.priority
         )
+        return GenerationResponse(deltas, fmt, stream=parsed.stream, include_usage=parsed.include_usage)
 
     def _model_entry(self, pool_name: str) -> dict[str, Any]:
         pool = self._ingress.config.pool(pool_name)
