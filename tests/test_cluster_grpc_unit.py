@@ -16,9 +16,10 @@ from pagefleet.cluster.api import (
 )
 from pagefleet.cluster.client import build_request, format_status, sampling_to_proto
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.grpc_server import request_from_proto
+from pagefleet.cluster.grpc_server import request_from_proto, status_to_proto
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.status import PoolStatus, WorkerStatus
 from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
@@ -110,11 +111,11 @@ def test_requests_beyond_the_workers_room_wait_and_leave_in_fifo_order() -> None
         assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # one each
         waiting = [ingress.admission.admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
         assert not any(isinstance(w, WorkerSlot) for w in waiting)
-        assert ingress.status("a")[0]["num_waiting"] == 2
+        assert ingress.status("a")[0].num_waiting == 2
         ingress.admission.release(first, _request("r1").key)  # r1 finished
         w3, w4 = (w for w in waiting if not isinstance(w, WorkerSlot))
         assert w3.future.result() is first and not w4.future.done()
-        assert ingress.status("a")[0]["num_waiting"] == 1
+        assert ingress.status("a")[0].num_waiting == 1
 
     asyncio.run(scenario())
 
@@ -143,7 +144,7 @@ def test_aborting_a_waiting_request_ends_it_and_frees_its_place() -> None:
         assert not isinstance(waiter, WorkerSlot)
         assert await ingress.abort("r3", tenant="default")
         assert waiter.future.result() is None  # generate() ends the stream with "abort"
-        assert ingress.status("a")[0]["num_waiting"] == 0
+        assert ingress.status("a")[0].num_waiting == 0
 
     asyncio.run(scenario())
 
@@ -183,3 +184,24 @@ def test_text_prompt_for_a_model_without_tokenizer_is_invalid_argument(tmp_path)
         asyncio.run(first())
     assert err.value.code is ErrorCode.INVALID_ARGUMENT
     assert "prompt_token_ids" in err.value.message
+
+
+def test_get_status_carries_every_counter_of_the_typed_status() -> None:
+    worker = WorkerStatus(
+        "p-0", "p", alive=True, node_id="n1", total_blocks=8, free_blocks=5, live_blocks=2,
+        cached_blocks=1, peak_live_blocks=3, num_running=1, num_waiting=2, prefix_query_tokens=10,
+        prefix_hit_tokens=4, hit_rate=0.4, requests_routed=7, migrations_out=1, draining=True,
+    )  # fmt: skip
+    pool = PoolStatus(
+        "p", "tiny", "prefix_affinity", live_workers=1, hit_rate=0.4, migrations=1,
+        total_blocks=8, free_blocks=5, live_blocks=2, cached_blocks=1, peak_live_blocks=3,
+        num_running=1, num_waiting=4, preemptions=0, evictions=0, workers=(worker,),
+    )  # fmt: skip
+    msg = status_to_proto([pool]).pools[0]
+    assert (msg.name, msg.model, msg.router_policy, msg.num_waiting, msg.migrations) == (
+        "p", "tiny", "prefix_affinity", 4, 1
+    )
+    w = msg.workers[0]
+    assert (w.worker_id, w.node_id, w.live_blocks, w.requests_routed, w.hit_rate, w.draining) == (
+        "p-0", "n1", 2, 7, 0.4, True
+    )

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
 from pagefleet.cluster.errors import ErrorCode, IngressError, InvalidArgument
+from pagefleet.cluster.status import PoolStatus
 from pagefleet.cluster.tenancy import Target, Tenancy
-from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
 
 # A client's request_id is echoed in every message and kept while the request runs.
@@ -150,16 +150,12 @@ class Front(Protocol):
         """The pool's HF tokenizer (None: the model has none)."""
         ...
 
-    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[dict[str, Any]]:
+    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[PoolStatus]:
         """Per pool and per worker counters, as GetStatus reports them."""
         ...
 
     def live_workers(self) -> dict[str, int]:
         """Live workers per pool."""
-        ...
-
-    def worker_reports(self) -> dict[str, LoadReport | None]:
-        """Each worker's latest load report."""
         ...
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from starlette.requests import Request
@@ -29,33 +30,24 @@ from starlette.routing import Route
 from pagefleet.cluster.api import Front, IngressError, api_key_from_metadata
 from pagefleet.cluster.config import TenantConfig
 from pagefleet.cluster.errors import WIRE_STATUS
-from pagefleet.worker.events import LoadReport
 
 
 def snapshot(ingress: Front, tenant: TenantConfig | None = None) -> dict[str, Any]:
-    """The pools `tenant` may see: GetStatus's counters plus tenant live blocks, preemptions, evictions.
+    """The pools `tenant` may see, as JSON: the status GetStatus reports (`PoolStatus`).
 
     Live blocks are labelled by tenant name, never by salt (a configured salt is
     a secret). When keys are required, a caller sees its own tenant's blocks by
     name and every other tenant's only as one "other tenants" sum.
     """
-    reports = ingress.worker_reports()
-    pools = ingress.status(tenant=tenant)
     names = ingress.tenancy.salt_names()
     own = tenant.name if tenant is not None and ingress.tenancy.auth_required else None
-    for pool in pools:
-        preemptions = evictions = 0
-        for worker in pool["workers"]:
-            report: LoadReport | None = reports.get(worker["worker_id"])
-            worker["tenant_live_blocks"] = _label_tenants(
-                report.tenant_live_blocks if report else {}, names, own
-            )
-            worker["preemptions"] = sum(report.preemptions.values()) if report else 0
-            worker["evictions"] = report.evictions if report else 0
-            preemptions += worker["preemptions"]
-            evictions += worker["evictions"]
-        pool["preemptions"] = preemptions
-        pool["evictions"] = evictions
+    pools = []
+    for pool in ingress.status(tenant=tenant):
+        workers = [
+            {**asdict(w), "tenant_live_blocks": _label_tenants(w.tenant_live_blocks, names, own)}
+            for w in pool.workers
+        ]
+        pools.append({**asdict(pool), "workers": workers})
     return {"time": time.time(), "pools": pools}
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -34,6 +33,7 @@ from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.errors import WIRE_STATUS, InvalidArgument
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.cluster.status import PoolStatus
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,23 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
     return msg
 
 
+def status_to_proto(pools: Sequence[PoolStatus]) -> pb.StatusResponse:
+    """GetStatus's answer: every proto field read from the typed status of the same name."""
+    return pb.StatusResponse(
+        pools=[
+            pb.PoolStatus(
+                **_proto_fields(pb.PoolStatus, pool, skip="workers"),
+                workers=[pb.WorkerStatus(**_proto_fields(pb.WorkerStatus, w)) for w in pool.workers],
+            )
+            for pool in pools
+        ]
+    )
+
+
+def _proto_fields(message: type[Message], status: object, skip: str = "") -> dict[str, Any]:
+    return {f.name: getattr(status, f.name) for f in message.DESCRIPTOR.fields if f.name != skip}
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """gRPC front of one `Ingress`."""
 
@@ -150,7 +167,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             pools = self._ingress.status(request.pool or None, tenant)
         except IngressError as exc:
             await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
-        return json_format.ParseDict({"pools": pools}, pb.StatusResponse())
+        return status_to_proto(pools)
 
 
 def serving_status(

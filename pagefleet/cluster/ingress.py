@@ -63,9 +63,9 @@ from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.prompts import Prompts, check_length
 from pagefleet.cluster.request_run import RequestRun
 from pagefleet.cluster.router import Router
+from pagefleet.cluster.status import PoolStatus
 from pagefleet.cluster.tenancy import Target, Tenancy, unknown_pool
 from pagefleet.cluster.worker_slots import WorkerSlots
-from pagefleet.worker.events import LoadReport
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -284,28 +284,17 @@ class Ingress:
         """Live workers per pool: the health rule (healthy while none is 0) of both fronts."""
         return self.slots.live_workers()
 
-    def worker_reports(self) -> dict[str, LoadReport | None]:
-        """Each worker's latest load report by worker id (None before its first one)."""
-        return self.slots.worker_reports()
-
-    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[dict[str, Any]]:
-        """Per pool and per worker counters (the `StatusResponse.pools` field, as dicts).
+    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[PoolStatus]:
+        """Per pool and per worker counters (GetStatus, the dashboard).
 
         With `tenant`, only the pools it may use; another tenant's pool is NOT_FOUND,
         exactly like an unknown one.
         """
-        visible = self.tenancy.visible_pools(tenant)
-        if pool and pool not in visible:
-            raise unknown_pool(pool)
-        pools = [self.pool_config(pool)] if pool else [self.pool_config(p) for p in visible]
-        out = []
-        for cfg in pools:
-            entry = self.slots.pool_status(cfg)
-            entry["router_policy"] = self.policy
-            # Waiting in the pool = in the workers' engine queues + in the ingress's queue.
-            entry["num_waiting"] += self.admission.waiting(cfg.name)
-            out.append(entry)
-        return out
+        names = [self.tenancy.visible_pool(tenant, pool).name] if pool else self.tenancy.visible_pools(tenant)
+        return [
+            self.slots.pool_status(self.config.pool(name), self.policy, self.admission.waiting(name))
+            for name in names
+        ]
 
 
 __all__ = ["Ingress"]
