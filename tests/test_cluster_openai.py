@@ -27,7 +27,7 @@ from pagefleet.cli import CommandError
 from pagefleet.cluster.api import IngressError
 from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.openai_http import chat_prompt, parse_request
+from pagefleet.cluster.openai.protocol import chat_prompt, parse_request
 from pagefleet.commands.serve import check_port_free, load_config
 
 BLOCK_SIZE = 16
@@ -105,6 +105,27 @@ def test_parse_rejects_n_above_one_saying_so() -> None:
 def test_parse_rejects_a_batch_of_two_prompts() -> None:
     with pytest.raises(IngressError, match="batched prompts are not supported"):
         parse_request({"prompt": ["a", "b"]}, chat=False)
+
+
+def test_parse_refuses_a_bool_posing_as_a_number_naming_the_field() -> None:
+    with pytest.raises(IngressError, match=r"temperature must be a number >= 0, got True"):
+        parse_request({"prompt": "Hello", "temperature": True}, chat=False)
+
+
+def test_parse_refuses_an_unsupported_field_unless_it_is_neutral() -> None:
+    assert parse_request({"prompt": "Hello", "echo": False}, chat=False).prompt == "Hello"
+    with pytest.raises(IngressError, match=r"echo is not supported by this server \(got True\)"):
+        parse_request({"prompt": "Hello", "echo": True}, chat=False)
+
+
+def test_parse_reads_chat_logprobs_and_max_completion_tokens() -> None:
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 5,
+    }  # fmt: skip
+    parsed = parse_request(body, chat=True)
+    assert parsed.prompt == [{"role": "user", "content": "Hi"}]
+    assert (parsed.params.logprobs, parsed.params.max_tokens) == (2, 5)
 
 
 def _serve_args(**kw: object) -> argparse.Namespace:

@@ -41,7 +41,7 @@ from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership, worker_actor_name
 from pagefleet.cluster.metrics import IngressMetrics
-from pagefleet.cluster.openai_http import HttpServer, start_http_server
+from pagefleet.cluster.openai import HttpServer, start_http_server
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`/dashboard` on the HTTP port: every pool and worker, live, in a browser.
 
-Two routes on the OpenAI HTTP server (`openai_http.build_app` adds them):
+Two routes on the OpenAI HTTP server (`openai.server.build_app` adds them):
 
 - `GET /dashboard`: one self-contained HTML page (no external assets). Each
   worker is a block map: one cell per block (or per group of blocks on big

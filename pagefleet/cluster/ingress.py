@@ -1,7 +1,7 @@
 """The ingress: routes each request to a worker actor and streams its tokens back.
 
 `Ingress` is the cluster's front door without any wire protocol (the fronts,
-gRPC in `grpc_server` and OpenAI HTTP in `openai_http`, see it through
+gRPC in `grpc_server` and OpenAI HTTP in the `openai` package, see it through
 `pagefleet.cluster.api.Front`). Both call `submit(tenant, target, prompt,
 SamplingParams)`: it picks the tenant's pool (`tenancy`), tokenizes the
 prompt once (`prompts`), and hands the request to a `RequestRun`
