@@ -195,7 +195,7 @@ class WorkerSlots:
         if self._metrics is not None and not slot.alive:
             self._metrics.mark_dead(slot.pool, slot.worker_id)  # after its report's 1
         if delta.stalled and not slot.left.is_set():
-            slot.left.set()  # hung: its streams move now (see `Ingress._stream`)
+            slot.left.set()  # hung: its streams move now (see `RequestRun._stream`)
         # Fresh load or a worker back: route waiting requests it has room for.
         self._on_change(slot.pool)
 
