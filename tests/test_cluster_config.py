@@ -16,6 +16,7 @@ import yaml
 
 from pagefleet.cli import main
 from pagefleet.cluster.config import ENGINE_FIELDS, ClusterConfig, ConfigError, PoolConfig
+from pagefleet.cluster.tenancy import Tenancy
 from pagefleet.scheduler.policy import blocks_to_evict
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import LoadReport
@@ -37,14 +38,14 @@ def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.M
     cfg = ClusterConfig.from_yaml(MANIFEST)
     assert len(cfg.pools) == 2
     assert len(cfg.tenants) >= 2
-    assert cfg.tenant_for_api_key("acme-secret") is not None
+    assert Tenancy(cfg).tenant_for_api_key("acme-secret") is not None
 
 
 def test_default_config_is_one_open_pool_of_two_workers() -> None:
     cfg = ClusterConfig.default()
     assert [(p.name, p.workers, p.engine.model) for p in cfg.pools] == [("default", 2, "tiny")]
-    assert cfg.tenant_for_api_key(None) == cfg.tenant("default")
-    assert not cfg.auth_required
+    assert Tenancy(cfg).tenant_for_api_key(None) == cfg.tenant("default")
+    assert not Tenancy(cfg).auth_required
 
 
 @pytest.mark.parametrize(
@@ -110,7 +111,7 @@ def test_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     cfg = ClusterConfig.from_dict(
         config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
     )
-    assert cfg.tenant_for_api_key("s3cret") == cfg.tenant("t")
+    assert Tenancy(cfg).tenant_for_api_key("s3cret") == cfg.tenant("t")
 
 
 def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,25 +122,6 @@ def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> Non
         ClusterConfig.from_dict(
             config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
         )
-
-
-def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() -> None:
-    cfg = ClusterConfig.from_dict(config(tenants=[{"name": "t", "pool": "chat", "api_key": "k1"}]))
-    assert cfg.auth_required
-    assert cfg.tenant_for_api_key("k2") is None
-    assert cfg.tenant_for_api_key(None) is None
-
-
-def test_any_key_is_the_open_tenant_when_no_tenant_has_a_key() -> None:
-    cfg = ClusterConfig.default()
-    assert cfg.tenant_for_api_key("x") == cfg.tenant_for_api_key(None) == cfg.tenant("default")
-
-
-def test_unknown_key_is_refused_once_any_tenant_has_a_key() -> None:
-    tenants = [{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1"}]
-    cfg = ClusterConfig.from_dict(config(tenants=tenants))
-    assert cfg.tenant_for_api_key(None) == cfg.tenant("open")
-    assert cfg.tenant_for_api_key("k2") is None
 
 
 def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:

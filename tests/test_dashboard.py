@@ -6,7 +6,7 @@ from starlette.testclient import TestClient
 
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.ingress import Ingress
-from pagefleet.cluster.openai_http import build_app
+from pagefleet.cluster.openai import build_app
 
 
 def _client(tenants: list[dict[str, str]]) -> TestClient:

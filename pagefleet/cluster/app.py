@@ -77,10 +77,6 @@ class RunningCluster:
         """Scheduler shard 0's handle: the only scheduler unless `scheduler.shards` > 1."""
         return self.schedulers[0]
 
-    def scheduler_of(self, pool: str) -> Any:
-        """The handle of the scheduler shard that owns `pool`."""
-        return self.schedulers[self.config.scheduler_shards()[pool]]
-
     def worker_handle(self, worker_id: str) -> Any:
         for pool_workers in self.workers.values():
             for wid, handle in pool_workers:
@@ -113,8 +109,6 @@ class RunningCluster:
         ray.kill(self.membership, no_restart=True)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
-        if self.started_ray:
-            ray.shutdown()
 
 
 def start_cluster(

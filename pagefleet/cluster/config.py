@@ -25,7 +25,6 @@ errors are reported at the pool's path.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import os
 from collections.abc import Mapping
@@ -661,39 +660,9 @@ class ClusterConfig(Section):
                 return tenant
         raise KeyError(f"unknown tenant {name!r}")
 
-    def tenant_for_api_key(self, key: str | None) -> TenantConfig | None:
-        """The tenant this key authenticates; no key means the keyless tenant, if any.
-
-        With no keyed tenant at all, any key (or none) is the open tenant, so
-        clients that must send some key (the `openai` package) work unchanged.
-        """
-        if not key or all(t.api_key is None for t in self.tenants):
-            return next((t for t in self.tenants if t.api_key is None), None)
-        encoded = key.encode()
-        match = None
-        for tenant in self.tenants:
-            # Compare against every key in constant time: no early exit to time.
-            if tenant.api_key is not None and hmac.compare_digest(tenant.api_key.encode(), encoded):
-                match = tenant
-        return match
-
     def tenant_block_caps(self) -> tuple[tuple[str, int], ...]:
         """``(salt, max_live_blocks)`` of each capped tenant (`EngineConfig.tenant_max_live_blocks`)."""
         return tuple(
             (t.cache_salt(), t.max_live_blocks) for t in self.tenants if t.max_live_blocks is not None
         )
 
-    def visible_pools(self, tenant: TenantConfig | None) -> list[str]:
-        """Pools a tenant may see and use: its own when keys are required, else all.
-
-        Every lookup (GetStatus, /v1/models, a request's pool) answers a pool outside
-        this list exactly like an unknown one.
-        """
-        if tenant is not None and self.auth_required:
-            return [tenant.pool]
-        return [p.name for p in self.pools]
-
-    @property
-    def auth_required(self) -> bool:
-        """True when every tenant has an API key (requests without one are refused)."""
-        return all(t.api_key is not None for t in self.tenants)

@@ -21,7 +21,7 @@ from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.names import worker_actor_name
-from pagefleet.cluster.openai_http import HttpServer, start_http_server
+from pagefleet.cluster.openai import HttpServer, start_http_server
 
 
 class IngressDeployment:

@@ -270,12 +270,6 @@ class Router:
             n += 1
         return n
 
-    def num_indexed(self, worker_id: str) -> int:
-        """Hashes indexed for a worker (confirmed plus speculative); O(index size)."""
-        self._expire()
-        bit = self._workers[worker_id].bit
-        return sum(1 for mask in self._holders.values() if mask & bit)
-
     # routing --------------------------------------------------------------------------
 
     def route(

@@ -122,7 +122,7 @@ class WorkerActor:
         self._ensure_reporter()
         request_id = request.request_id
         self._active.add(request_id)
-        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+        prompt = list(request.prompt)
         try:
             if request.kv is not None:
                 task = asyncio.ensure_future(self._import_kv(request_id, request.kv))

@@ -197,16 +197,6 @@ class AsyncEngine:
         with self._between_steps():
             return self.engine.stats()
 
-    def tenant_live_blocks(self) -> dict[str, int]:
-        """`LLMEngine.tenant_live_blocks`, between two steps."""
-        with self._between_steps():
-            return self.engine.tenant_live_blocks()
-
-    def block_claims(self) -> BlockClaims:
-        """`LLMEngine.block_claims`, between two steps."""
-        with self._between_steps():
-            return self.engine.block_claims()
-
     def report_state(self, preemptions_seen: int) -> ReportState:
         """Everything a load report needs, read between the same two steps (one wait for
         the lock, so a busy engine still reports on time).
@@ -229,11 +219,6 @@ class AsyncEngine:
                 block_preemptions=count,
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
             )
-
-    def tenant_cap_refusals(self) -> dict[str, int]:
-        """`LLMEngine.tenant_cap_refusals`, between two steps."""
-        with self._between_steps():
-            return self.engine.tenant_cap_refusals()
 
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""

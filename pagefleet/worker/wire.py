@@ -1,8 +1,7 @@
 """The typed messages of the busiest boundary: one request into a worker, deltas out.
 
-The ingress tokenizes once and sends a `WorkerRequest` (token ids or, on a
-first attempt, the client's text, plus validated sampling params); the
-worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
+The ingress tokenizes once and sends a `WorkerRequest` (token ids only,
+plus validated sampling params); the worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
 pickles, so no string-keyed dict crosses the boundary and a field rename is
 a type error, not a KeyError at run time. A migration by KV transfer adds a
 `KVHandoff` to the source's last delta, which the ingress passes on in the
@@ -51,7 +50,7 @@ class WorkerRequest:
     """
 
     request_id: str
-    prompt: str | tuple[int, ...]
+    prompt: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
     salt: str | None = None
