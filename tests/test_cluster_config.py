@@ -22,12 +22,12 @@ def config(**top: Any) -> dict[str, Any]:
 
 
 def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret")
-    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret")
+    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret-0123456789abcdef")
+    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret-0123456789abcdef")
     cfg = ClusterConfig.from_yaml(MANIFEST)
     assert len(cfg.pools) == 2
     assert len(cfg.tenants) >= 2
-    assert cfg.tenant_for_api_key("acme-secret") is not None
+    assert cfg.tenant_for_api_key("acme-secret-0123456789abcdef") is not None
 
 
 def test_default_config_is_one_open_pool_of_two_workers() -> None:
@@ -52,7 +52,7 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(pools=[]), "pools: must list at least one pool"),
         ({"tenants": []}, "pools: must be a list"),
         (config(tenants=[{"name": "t", "pool": "nope"}]), "tenants[0].pool: unknown pool 'nope'"),
-        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k"}, {"name": "u", "pool": "chat", "api_key": "k"}]), "tenants[1].api_key: two tenants share"),
+        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k-0123456789abcdef"}, {"name": "u", "pool": "chat", "api_key": "k-0123456789abcdef"}]), "tenants[1].api_key: two tenants share"),
         (config(tenants=[{"name": "t", "pool": "chat"}, {"name": "u", "pool": "chat"}]), "tenants: at most one tenant may have no API key"),
         (config(router={"policy": "random"}), "router.policy: must be one of prefix_affinity"),
         (config(router={"w_load": -1}), "router.w_load: must be >= 0, got -1"),
@@ -96,11 +96,11 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("T_KEY", "s3cret")
+    monkeypatch.setenv("T_KEY", "s3cret-0123456789abcdef")
     cfg = ClusterConfig.from_dict(
         config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
     )
-    assert cfg.tenant_for_api_key("s3cret") == cfg.tenant("t")
+    assert cfg.tenant_for_api_key("s3cret-0123456789abcdef") == cfg.tenant("t")
 
 
 def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,9 +114,9 @@ def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() -> None:
-    cfg = ClusterConfig.from_dict(config(tenants=[{"name": "t", "pool": "chat", "api_key": "k1"}]))
+    cfg = ClusterConfig.from_dict(config(tenants=[{"name": "t", "pool": "chat", "api_key": "k1-0123456789abcdef"}]))
     assert cfg.auth_required
-    assert cfg.tenant_for_api_key("k2") is None
+    assert cfg.tenant_for_api_key("k2-0123456789abcdef") is None
     assert cfg.tenant_for_api_key(None) is None
 
 
@@ -126,19 +126,19 @@ def test_any_key_is_the_open_tenant_when_no_tenant_has_a_key() -> None:
 
 
 def test_unknown_key_is_refused_once_any_tenant_has_a_key() -> None:
-    tenants = [{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1"}]
+    tenants = [{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1-0123456789abcdef"}]
     cfg = ClusterConfig.from_dict(config(tenants=tenants))
     assert cfg.tenant_for_api_key(None) == cfg.tenant("open")
-    assert cfg.tenant_for_api_key("k2") is None
+    assert cfg.tenant_for_api_key("k2-0123456789abcdef") is None
 
 
 def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:
     cfg = ClusterConfig.from_dict(
         config(
             tenants=[
-                {"name": "a", "pool": "chat", "api_key": "ka"},
-                {"name": "b", "pool": "chat", "api_key": "kb"},
-                {"name": "c", "pool": "chat", "api_key": "kc", "salt": "fixed"},
+                {"name": "a", "pool": "chat", "api_key": "ka-0123456789abcdef"},
+                {"name": "b", "pool": "chat", "api_key": "kb-0123456789abcdef"},
+                {"name": "c", "pool": "chat", "api_key": "kc-0123456789abcdef", "salt": "fixed"},
             ]
         )
     )

@@ -24,8 +24,8 @@ def _keyed_config() -> ClusterConfig:
         {
             "pools": [{"name": "a"}, {"name": "b"}],
             "tenants": [
-                {"name": "alice", "pool": "a", "api_key": "k-alice"},
-                {"name": "bob", "pool": "b", "api_key": "k-bob", "salt": "bob-salt"},
+                {"name": "alice", "pool": "a", "api_key": "k-alice-0123456789abcdef"},
+                {"name": "bob", "pool": "b", "api_key": "k-bob-0123456789abcdef", "salt": "bob-salt"},
             ],
         }
     )
@@ -90,7 +90,7 @@ def test_unknown_api_key_is_unauthenticated() -> None:
 
 def test_tenant_runs_in_its_own_pool_and_another_pool_answers_like_an_unknown_one() -> None:
     ingress = Ingress(_keyed_config(), {})
-    bob = ingress.authenticate("k-bob")
+    bob = ingress.authenticate("k-bob-0123456789abcdef")
     assert bob.cache_salt() == "bob-salt"
     assert ingress.tenant_pool(bob, "") == "b"
     with pytest.raises(IngressError) as other:

@@ -42,6 +42,7 @@ from pagefleet.worker.config import (
 )
 
 SCHEDULER_POLICIES = ("watermark", "none")
+MIN_API_KEY_CHARS = 16  # a shorter key is guessable
 DEVICES = ("auto", "cpu", "cuda")
 
 _T = TypeVar("_T")
@@ -182,8 +183,12 @@ class TenantConfig:
             _fail("name", "must not be empty")
         if self.salt == "":
             _fail("salt", "must not be empty (omit it to derive one from the name)")
-        if self.api_key == "":
-            _fail("api_key", "must not be empty (omit it for a tenant without a key)")
+        if self.api_key is not None and len(self.api_key.strip()) < MIN_API_KEY_CHARS:
+            _fail(
+                "api_key",
+                f"must be at least {MIN_API_KEY_CHARS} characters besides spaces, got "
+                f"{len(self.api_key.strip())} (omit it for a tenant without a key)",
+            )
         if not 0 < self.weight < float("inf"):
             _fail("weight", f"must be a finite number > 0, got {self.weight}")
         _at_least("max_live_blocks", self.max_live_blocks, 1)
@@ -333,8 +338,10 @@ class ServerConfig:
     `header_timeout_s` and its body within `body_timeout_s` (408), and is
     closed after `idle_timeout_s` without a request.
 
-    `drain_timeout_s`: on SIGINT/SIGTERM the server stops accepting and lets
-    running streams finish for at most this long. `tls_cert_file` and
+    `drain_timeout_s`: on SIGINT/SIGTERM/SIGHUP the server stops accepting and lets
+    running streams finish for at most this long. `health_details`: HTTP
+    `/health` lists live workers per pool to anyone (default: only to a tenant's
+    key, its own pools; without a key it says serving or not). `tls_cert_file` and
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
 
     `ingress_replicas` Serve replicas of the ingress share these ports
@@ -363,6 +370,7 @@ class ServerConfig:
     ingress_target_streams: int = 64
     ingress_upscale_delay_s: float = 10.0
     ingress_downscale_delay_s: float = 300.0
+    health_details: bool = False
 
     def __post_init__(self) -> None:
         _at_least("ingress_replicas", self.ingress_replicas, 1)
