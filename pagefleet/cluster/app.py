@@ -354,12 +354,15 @@ def start_cluster(
                 # bare ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in
                 # Ray's address file (and then refuses num_cpus), even when that cluster is gone.
                 started_ray = True
-                ray.init(
-                    address="local",
-                    namespace=NAMESPACE,
-                    num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
-                    include_dashboard=False,
-                )
+                try:
+                    ray.init(
+                        address="local",
+                        namespace=NAMESPACE,
+                        num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
+                        include_dashboard=False,
+                    )
+                except Exception as exc:  # Ray's own start-up failed (e.g. its raylet timed out)
+                    raise StartError(f"the local Ray did not start: {exc}") from exc
             else:
                 use_cluster_token()
                 joined_ray = True
