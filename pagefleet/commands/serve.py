@@ -148,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
     starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal starting
         if starting:
             # Nothing to drain yet: stop at once (start_cluster stops the Ray it started).
+            # Once: a second signal must not cut that clean-up short.
+            starting = False
             raise StartInterrupted(signal.Signals(signum).name)
         stop.set()
 
@@ -168,11 +171,7 @@ def run(args: argparse.Namespace) -> int:
         except StartInterrupted as exc:
             print(f"pagefleet: {exc} during start-up: stopped", file=sys.stderr, flush=True)
             return 128 + int(signal.Signals[str(exc)])
-        # Again: ray.init replaced the SIGTERM handler with its own sys.exit, which would
-        # skip the drain.
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, on_signal)
-        starting = False
+        starting = False  # (start_cluster put this SIGTERM handler back after ray.init)
         print_endpoints(config, cluster)
         lost = None
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
