@@ -57,6 +57,7 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the he
 # slow answer on a busy head is not a loss).
 GCS_PROBES_LOST = 3
 STOP_GRACE_S = 5.0  # after ray.shutdown: how long Ray's processes get before SIGKILL
+LOCAL_RAY_ATTEMPTS = 2
 
 
 class StartError(RuntimeError):
@@ -322,10 +323,17 @@ def stop_local_ray() -> None:
     stopping.start()
     stopping.join(timeout=30.0)
     _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S)
-    for proc in alive:
+    _kill(alive)
+
+
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL these `psutil.Process`es and wait for them (briefly)."""
+    import psutil
+
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=STOP_GRACE_S)
+    psutil.wait_procs(procs, timeout=STOP_GRACE_S)
 
 
 def start_cluster(
@@ -354,15 +362,7 @@ def start_cluster(
                 # bare ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in
                 # Ray's address file (and then refuses num_cpus), even when that cluster is gone.
                 started_ray = True
-                try:
-                    ray.init(
-                        address="local",
-                        namespace=NAMESPACE,
-                        num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
-                        include_dashboard=False,
-                    )
-                except Exception as exc:  # Ray's own start-up failed (e.g. its raylet timed out)
-                    raise StartError(f"the local Ray did not start: {exc}") from exc
+                _start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)))
             else:
                 use_cluster_token()
                 joined_ray = True
@@ -385,6 +385,25 @@ def start_cluster(
                 serve.delete(APP_NAME)
             ray.shutdown()
         raise
+
+
+def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+    """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
+    30 s to register, which a starved machine can miss) is stopped and tried again."""
+    import psutil
+
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+            return
+        except Exception as exc:  # Ray's own start-up failed
+            # Its half-started node is not Ray's to stop (ray.init raised before keeping
+            # it): end the processes it had started (this driver's new children).
+            _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
+            if attempt == attempts or "timed out during startup" not in str(exc):
+                raise StartError(f"the local Ray did not start: {exc}") from exc
+            logger.warning("the local Ray did not start in time (attempt %d of %d); again", attempt, attempts)
 
 
 def _start_on_ray(
