@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from cluster_fixtures import generate
+from cluster_fixtures import status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagefleet.cluster.app import RunningCluster, _local_gcs_process, start_cluster
@@ -81,7 +81,7 @@ def test_health_with_a_tenant_key_lists_only_its_own_pools(cluster: RunningClust
 def test_losing_the_gcs_turns_grpc_and_http_health_not_serving_within_seconds(
     cluster: RunningCluster,
 ) -> None:
-    generate(cluster.grpc_target, [1, 2, 3], max_tokens=2)  # serving before
+    assert status(cluster.grpc_target, api_key=KEY_ACME).pools  # answering before
     gcs = _local_gcs_process()
     gcs.kill()
     gcs.wait(timeout=30)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import signal
 import socket
 import sys
@@ -148,12 +150,8 @@ def run(args: argparse.Namespace) -> int:
     starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal starting
         if starting:
-            # Nothing to drain yet: stop at once (start_cluster stops the Ray it started).
-            # Once: a second signal must not cut that clean-up short.
-            starting = False
-            raise StartInterrupted(signal.Signals(signum).name)
+            stop_now(signum)
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
@@ -168,9 +166,6 @@ def run(args: argparse.Namespace) -> int:
             )
         except StartError as exc:
             raise CommandError(str(exc)) from None
-        except StartInterrupted as exc:
-            print(f"pagefleet: {exc} during start-up: stopped", file=sys.stderr, flush=True)
-            return 128 + int(signal.Signals[str(exc)])
         starting = False  # (start_cluster put this SIGTERM handler back after ray.init)
         print_endpoints(config, cluster)
         lost = None
@@ -205,9 +200,22 @@ def run(args: argparse.Namespace) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class StartInterrupted(BaseException):
-    """A stop signal before the cluster was up (the signal's name); a BaseException so that
-    no `except Exception` on the way swallows it."""
+def stop_now(signum: int) -> None:
+    """A stop signal during start-up: nothing to drain yet, so end every process this
+    one started (the local Ray and its workers) and exit at once, 128 + the signal.
+
+    Not by an exception: raised from inside Ray's start-up it left Ray half torn
+    down, and the interpreter's exit then crashed.
+    """
+    import psutil
+
+    print(f"pagefleet: {signal.Signals(signum).name} during start-up: stopped", file=sys.stderr, flush=True)
+    started = psutil.Process().children(recursive=True)
+    for proc in started:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(started, timeout=10)
+    os._exit(128 + signum)
 
 
 def print_endpoints(config: Any, cluster: Any) -> None:
