@@ -33,12 +33,12 @@ def config(**top: Any) -> dict[str, Any]:
 
 
 def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret")
-    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret")
+    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret-0123456789abcdef")
+    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret-0123456789abcdef")
     cfg = ClusterConfig.from_yaml(MANIFEST)
     assert len(cfg.pools) == 2
     assert len(cfg.tenants) >= 2
-    assert Tenancy(cfg).tenant_for_api_key("acme-secret") is not None
+    assert Tenancy(cfg).tenant_for_api_key("acme-secret-0123456789abcdef") is not None
 
 
 def test_default_config_is_one_open_pool_of_two_workers() -> None:
@@ -63,7 +63,7 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(pools=[]), "pools: must list at least one pool"),
         ({"tenants": []}, "pools: must be a list"),
         (config(tenants=[{"name": "t", "pool": "nope"}]), "tenants[0].pool: unknown pool 'nope'"),
-        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k"}, {"name": "u", "pool": "chat", "api_key": "k"}]), "tenants[1].api_key: two tenants share"),
+        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k-0123456789abcdef"}, {"name": "u", "pool": "chat", "api_key": "k-0123456789abcdef"}]), "tenants[1].api_key: two tenants share"),
         (config(tenants=[{"name": "t", "pool": "chat"}, {"name": "u", "pool": "chat"}]), "tenants: at most one tenant may have no API key"),
         (config(router={"policy": "random"}), "router.policy: must be one of prefix_affinity"),
         (config(router={"w_load": -1}), "router.w_load: must be >= 0, got -1"),
@@ -107,11 +107,11 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("T_KEY", "s3cret")
+    monkeypatch.setenv("T_KEY", "s3cret-0123456789abcdef")
     cfg = ClusterConfig.from_dict(
         config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
     )
-    assert Tenancy(cfg).tenant_for_api_key("s3cret") == cfg.tenant("t")
+    assert Tenancy(cfg).tenant_for_api_key("s3cret-0123456789abcdef") == cfg.tenant("t")
 
 
 def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,9 +128,9 @@ def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:
     cfg = ClusterConfig.from_dict(
         config(
             tenants=[
-                {"name": "a", "pool": "chat", "api_key": "ka"},
-                {"name": "b", "pool": "chat", "api_key": "kb"},
-                {"name": "c", "pool": "chat", "api_key": "kc", "salt": "fixed"},
+                {"name": "a", "pool": "chat", "api_key": "ka-0123456789abcdef"},
+                {"name": "b", "pool": "chat", "api_key": "kb-0123456789abcdef"},
+                {"name": "c", "pool": "chat", "api_key": "kc-0123456789abcdef", "salt": "fixed"},
             ]
         )
     )
@@ -503,10 +503,10 @@ def test_check_applies_the_command_line_flags(tmp_path: Path) -> None:
 
 def test_check_hides_api_keys(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
-    path.write_text("pools: [{name: chat}]\ntenants: [{name: t, pool: chat, api_key: sk-secret-1}]\n")
+    path.write_text("pools: [{name: chat}]\ntenants: [{name: t, pool: chat, api_key: sk-secret-1-0123456789}]\n")
     done = check(path)
     assert done.returncode == 0, done.stderr
-    assert "sk-secret-1" not in done.stdout
+    assert "sk-secret-1-0123456789" not in done.stdout
     assert yaml.safe_load(done.stdout)["tenants"][0]["api_key"] == "<hidden>"
 
 

@@ -25,8 +25,8 @@ def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingre
         {
             "pools": [{"name": "shared", "max_num_seqs": 1}],
             "tenants": [
-                {"name": "a", "pool": "shared", "api_key": "ka", "weight": weights[0]},
-                {"name": "b", "pool": "shared", "api_key": "kb", "weight": weights[1]},
+                {"name": "a", "pool": "shared", "api_key": "ka-0123456789abcdef", "weight": weights[0]},
+                {"name": "b", "pool": "shared", "api_key": "kb-0123456789abcdef", "weight": weights[1]},
             ],
             "scheduler": {"wait_queue_size": queue},
         }

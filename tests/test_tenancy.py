@@ -18,8 +18,8 @@ def _keyed() -> Tenancy:
     return Tenancy(
         _config(
             [
-                {"name": "alice", "pool": "a", "api_key": "k-alice"},
-                {"name": "bob", "pool": "b", "api_key": "k-bob", "salt": "bob-salt"},
+                {"name": "alice", "pool": "a", "api_key": "k-alice-0123456789abcdef"},
+                {"name": "bob", "pool": "b", "api_key": "k-bob-0123456789abcdef", "salt": "bob-salt"},
             ],
             [{"name": "a"}, {"name": "b"}],
         )
@@ -27,9 +27,9 @@ def _keyed() -> Tenancy:
 
 
 def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() -> None:
-    tenancy = Tenancy(_config([{"name": "t", "pool": "chat", "api_key": "k1"}]))
+    tenancy = Tenancy(_config([{"name": "t", "pool": "chat", "api_key": "k1-0123456789abcdef"}]))
     assert tenancy.auth_required
-    assert tenancy.tenant_for_api_key("k2") is None
+    assert tenancy.tenant_for_api_key("k2-0123456789abcdef") is None
     assert tenancy.tenant_for_api_key(None) is None
 
 
@@ -40,11 +40,11 @@ def test_any_key_is_the_open_tenant_when_no_tenant_has_a_key() -> None:
 
 
 def test_unknown_key_is_refused_once_any_tenant_has_a_key() -> None:
-    cfg = _config([{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1"}])
+    cfg = _config([{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1-0123456789abcdef"}])
     tenancy = Tenancy(cfg)
     assert not tenancy.auth_required
     assert tenancy.tenant_for_api_key(None) == cfg.tenant("open")
-    assert tenancy.tenant_for_api_key("k2") is None
+    assert tenancy.tenant_for_api_key("k2-0123456789abcdef") is None
 
 
 def test_unknown_or_missing_api_key_is_unauthenticated_saying_which() -> None:
@@ -59,7 +59,7 @@ def test_unknown_or_missing_api_key_is_unauthenticated_saying_which() -> None:
 
 def test_tenant_runs_in_its_own_pool_and_another_pool_answers_like_an_unknown_one() -> None:
     tenancy = _keyed()
-    bob = tenancy.authenticate("k-bob")
+    bob = tenancy.authenticate("k-bob-0123456789abcdef")
     assert bob.cache_salt() == "bob-salt"
     assert tenancy.pool_for(bob, Target()).name == "b"
     with pytest.raises(IngressError) as other:
@@ -82,7 +82,7 @@ def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:
 
 def test_a_model_name_resolves_to_the_callers_own_pool_among_those_serving_it() -> None:
     tenancy = _keyed()
-    bob = tenancy.authenticate("k-bob")
+    bob = tenancy.authenticate("k-bob-0123456789abcdef")
     assert tenancy.pool_for(bob, Target("tiny", "model")).name == "b"
     with pytest.raises(IngressError) as other:  # another tenant's pool: as if it did not exist
         tenancy.pool_for(bob, Target("a", "model"))
@@ -92,7 +92,7 @@ def test_a_model_name_resolves_to_the_callers_own_pool_among_those_serving_it() 
 
 def test_keys_required_show_a_tenant_only_its_own_pool() -> None:
     tenancy = _keyed()
-    assert tenancy.visible_pools(tenancy.authenticate("k-alice")) == ["a"]
+    assert tenancy.visible_pools(tenancy.authenticate("k-alice-0123456789abcdef")) == ["a"]
     assert tenancy.visible_pools(None) == ["a", "b"]
     with pytest.raises(IngressError, match="unknown pool 'b'"):
-        tenancy.visible_pool(tenancy.authenticate("k-alice"), "b")
+        tenancy.visible_pool(tenancy.authenticate("k-alice-0123456789abcdef"), "b")

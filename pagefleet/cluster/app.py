@@ -23,10 +23,13 @@ endpoints and shuts everything down again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +37,20 @@ import ray
 from ray import serve
 
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.deployment import IngressDeployment, ingress_options
+from pagefleet.cluster.deployment import GCS_PROBES_LOST, IngressDeployment, ingress_options
+from pagefleet.cluster.gcs_watch import fault_tolerant, gcs_answers
 from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership
 from pagefleet.cluster.names import APP_NAME, HEAD_NODE_RESOURCE, INGRESS_NAME, NAMESPACE
 from pagefleet.scheduler.actor import start_scheduler
 
 logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0  # after ray.shutdown: how long Ray's processes get before SIGKILL
+LOCAL_RAY_ATTEMPTS = 2
+
+
+class StartError(RuntimeError):
+    """The cluster could not start; the message (one line) names the pool and the cause."""
 
 
 @dataclass
@@ -52,9 +63,12 @@ class RunningCluster:
     membership: Any  # the `Membership` actor: owns the workers, adds and removes them
     schedulers: tuple[Any, ...]  # one handle per scheduler shard (one by default)
     host: str = "127.0.0.1"
-    started_ray: bool = False
+    started_ray: bool = False  # this process called ray.init (its own Ray or a joined one)
+    local_ray: bool = False  # ... and started that Ray itself (address None)
     ingress: Any = field(default=None, repr=False)
     http_port: int | None = None
+    _unanswered_probes: int = field(default=0, repr=False)
+    _gcs_lost: bool = field(default=False, repr=False)
 
     @property
     def grpc_target(self) -> str:
@@ -91,13 +105,38 @@ class RunningCluster:
         timeout = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
         return int(self.ingress.drain_and_stop.remote(timeout).result(timeout_s=timeout + 30))
 
+    def lost_gcs(self) -> str | None:
+        """Why the cluster is gone for good: its GCS died without fault tolerance (one
+        line); None while the GCS answers, or may restart (`gcs_watch.fault_tolerant`)."""
+        if fault_tolerant():
+            return None
+        if self.local_ray:
+            gcs = _local_gcs_process()
+            if gcs is None or gcs.poll() is None:
+                return None
+            self._gcs_lost = True
+            return f"the Ray GCS this server started (pid {gcs.pid}) exited with code {gcs.returncode}"
+        if gcs_answers():
+            self._unanswered_probes = 0
+            return None
+        self._unanswered_probes += 1
+        if self._unanswered_probes < GCS_PROBES_LOST:
+            return None
+        self._gcs_lost = True
+        address = ray.get_runtime_context().gcs_address
+        return f"lost the Ray GCS at {address} (no GCS fault tolerance: the cluster cannot recover)"
+
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
-        if self.started_ray:
+        if self.local_ray:
             # Ray stops every actor with it. Shutting Serve down first only makes the
             # killed controller's pending calls log "ServeController.graceful_shutdown
             # failed ... infinite retries remaining" on every clean exit.
-            ray.shutdown()
+            stop_local_ray()
+            return
+        if self._gcs_lost:
+            if self.started_ray:
+                ray.shutdown()  # nothing on the cluster can be reached to delete
             return
         try:
             serve.shutdown()
@@ -109,6 +148,50 @@ class RunningCluster:
         ray.kill(self.membership, no_restart=True)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
+
+
+def _local_gcs_process() -> Any:
+    """The `subprocess.Popen` of the GCS server this process's `ray.init` started, if any."""
+    from ray._private import ray_constants, worker
+
+    node = worker._global_node
+    if node is None:
+        return None
+    infos: list[Any] = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER, [])
+    return infos[0].process if infos else None
+
+
+def stop_local_ray() -> None:
+    """`ray.shutdown()` of the Ray this process started, then SIGKILL for any of its
+    processes still running: after a lost GCS, Ray's shutdown leaves the raylet's agents
+    (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) behind."""
+    import psutil
+    from ray._private import worker
+
+    node = worker._global_node
+    started: list[psutil.Process] = []
+    groups: list[list[Any]] = [] if node is None else list(node.all_processes.values())
+    for infos in groups:
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(info.process.pid)
+                started += [root, *root.children(recursive=True)]
+    # In a thread: with the GCS gone, the driver's disconnect may wait on it.
+    stopping = threading.Thread(target=ray.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(timeout=30.0)
+    _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S)
+    _kill(alive)
+
+
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL these `psutil.Process`es and wait for them (briefly)."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=STOP_GRACE_S)
 
 
 def start_cluster(
@@ -127,26 +210,73 @@ def start_cluster(
     `config.server.http_port` (where None disables the OpenAI HTTP server);
     port 0 picks a free port.
     """
-    started_ray = False
-    if not ray.is_initialized():
-        if address is None:
-            needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
-            # address="local": a cluster of our own, whatever else runs on the host. A bare
-            # ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in Ray's
-            # address file (and then refuses num_cpus), even when that cluster is gone.
-            ray.init(
-                address="local",
-                namespace=NAMESPACE,
-                num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
-                include_dashboard=False,
-            )
-        else:
-            use_cluster_token()
-            ray.init(address=address, namespace=NAMESPACE)
-        started_ray = True
+    started_ray = joined_ray = False
+    try:
+        if not ray.is_initialized():
+            on_sigterm = signal.getsignal(signal.SIGTERM)
+            if address is None:
+                needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
+                # address="local": a cluster of our own, whatever else runs on the host. A
+                # bare ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in
+                # Ray's address file (and then refuses num_cpus), even when that cluster is gone.
+                started_ray = True
+                _start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)))
+            else:
+                use_cluster_token()
+                joined_ray = True
+                ray.init(address=address, namespace=NAMESPACE)
+            if threading.current_thread() is threading.main_thread():
+                # ray.init replaces the caller's SIGTERM handler with a bare sys.exit, which
+                # would skip the caller's drain.
+                signal.signal(signal.SIGTERM, on_sigterm)
+        cluster = _start_on_ray(config, grpc_port, http_port, metrics_port, ready_timeout_s)
+        cluster.started_ray, cluster.local_ray = started_ray or joined_ray, started_ray
+        return cluster
+    except BaseException:
+        # A failed or interrupted start leaves nothing running: a Ray of our own stops
+        # (every actor with it); on a joined cluster the actors this driver owns end
+        # with its disconnect, and the Serve app (detached) is deleted.
+        if started_ray:
+            stop_local_ray()
+        elif joined_ray:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+            ray.shutdown()
+        raise
+
+
+def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+    """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
+    30 s to register, which a starved machine can miss) is stopped and tried again."""
+    import psutil
+
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+            return
+        except Exception as exc:  # Ray's own start-up failed
+            # Its half-started node is not Ray's to stop (ray.init raised before keeping
+            # it): end the processes it had started (this driver's new children).
+            _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
+            if attempt == attempts or "timed out during startup" not in str(exc):
+                raise StartError(f"the local Ray did not start: {exc}") from exc
+            logger.warning("the local Ray did not start in time (attempt %d of %d); again", attempt, attempts)
+
+
+def _start_on_ray(
+    config: ClusterConfig,
+    grpc_port: int | None,
+    http_port: int | None,
+    metrics_port: int | None,
+    ready_timeout_s: float,
+) -> RunningCluster:
     namespace = ray.get_runtime_context().namespace
     schedulers = start_schedulers(config, namespace)
     membership = start_membership(config, namespace, schedulers)
+    problem = ray.get(membership.wait_loaded.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
+    if problem is not None:
+        raise StartError(problem)
     workers = ray.get(membership.members.remote(), timeout=ready_timeout_s)
     serve.start(http_options={"location": "NoServer"})
     replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
@@ -193,7 +323,6 @@ def start_cluster(
         metrics_port=ports["metrics_port"],
         membership=membership,
         schedulers=schedulers,
-        started_ray=started_ray,
         ingress=handle,
         http_port=ports["http_port"],
     )

@@ -52,6 +52,8 @@ from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, Migrat
 from pagefleet.worker.config import EngineConfig, InvalidField
 from pagefleet.worker.sizes import ByteSize
 
+MIN_API_KEY_CHARS = 16  # a shorter key is guessable
+
 RoutingPolicy = Literal["prefix_affinity", "round_robin", "least_loaded", "power_of_two"]
 ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
 
@@ -307,7 +309,7 @@ class TenantConfig(Section):
     name: NonEmptyStr
     pool: str
     salt: NonEmptyStr | None = None
-    api_key: NonEmptyStr | None = None
+    api_key: str | None = None
     api_key_env: str | None = None
     weight: float = 1.0
     max_live_blocks: Annotated[int | None, Field(ge=1)] = None
@@ -335,6 +337,16 @@ class TenantConfig(Section):
     @field_serializer("api_key")
     def _hidden(self, api_key: str | None) -> str | None:
         return None if api_key is None else "<hidden>"
+
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, api_key: str | None) -> str | None:
+        if api_key is not None and len(api_key.strip()) < MIN_API_KEY_CHARS:
+            raise ValueError(
+                f"must be at least {MIN_API_KEY_CHARS} characters besides spaces, got "
+                f"{len(api_key.strip())} (omit it for a tenant without a key)"
+            )
+        return api_key
 
     def cache_salt(self) -> str:
         """The prefix-cache salt router and workers must both use for this tenant.
@@ -464,8 +476,10 @@ class ServerConfig(Section):
     `header_timeout_s` and its body within `body_timeout_s` (408), and is
     closed after `idle_timeout_s` without a request.
 
-    `drain_timeout_s`: on SIGINT/SIGTERM the server stops accepting and lets
-    running streams finish for at most this long. `tls_cert_file` and
+    `drain_timeout_s`: on SIGINT/SIGTERM/SIGHUP the server stops accepting and lets
+    running streams finish for at most this long. `health_details`: HTTP
+    `/health` lists live workers per pool to anyone (default: only to a tenant's
+    key, its own pools; without a key it says serving or not). `tls_cert_file` and
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
 
     `ingress_replicas` Serve replicas of the ingress share these ports
@@ -494,6 +508,7 @@ class ServerConfig(Section):
     ingress_target_streams: Annotated[int, Field(ge=1)] = 64
     ingress_upscale_delay_s: Seconds = 10.0
     ingress_downscale_delay_s: Seconds = 300.0
+    health_details: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -17,11 +17,16 @@ from ray import serve
 from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
+from pagefleet.cluster.gcs_watch import fault_tolerant, watch_gcs
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.names import worker_actor_name
 from pagefleet.cluster.openai import HttpServer, start_http_server
+
+# A joined cluster's GCS is lost after this many probes in a row go unanswered (one
+# slow answer on a busy head is not a loss).
+GCS_PROBES_LOST = 3
 
 
 class IngressDeployment:
@@ -75,6 +80,11 @@ class IngressDeployment:
         self.metrics_port = (
             None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
         )
+        # Without GCS fault tolerance a lost GCS is the cluster's end: stop accepting at
+        # once (health NOT_SERVING) rather than answer "ok" while completions hang.
+        self._gcs_watch: asyncio.Task[None] | None = None
+        if not fault_tolerant():
+            self._gcs_watch = asyncio.ensure_future(watch_gcs(self.drain.start, lost_after=GCS_PROBES_LOST))
 
     async def endpoints(self) -> dict[str, Any]:
         """The ports this replica bound (useful when asked for port 0) and its replica id."""
@@ -135,6 +145,8 @@ class IngressDeployment:
         return {STREAMS_METRIC: float(self.drain.in_flight)}
 
     async def __del__(self) -> None:
+        if self._gcs_watch is not None:
+            self._gcs_watch.cancel()
         # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
         # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
         if not self.drain.draining:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
+UNREQUESTED_CALL_LIMIT_S = 3600
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> Submission:
@@ -283,6 +284,11 @@ async def start_grpc_server(
             # The ingress replicas of one node share the port; the kernel spreads
             # connections over them.
             ("grpc.so_reuseport", 1),
+            # gRPC core ends a call the server has not picked up within this (30 s by
+            # default) with a bare CANCELLED. Under a flood the event loop picks calls up
+            # late; each must still get the admission's answer (RESOURCE_EXHAUSTED with
+            # the pool's numbers, UNAVAILABLE) or meet its client's own deadline.
+            ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_LIMIT_S),
         ]
     )
     add_generation_service(GenerationServicer(ingress, drain), server)

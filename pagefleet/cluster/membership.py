@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -65,6 +66,9 @@ DEFAULT_DRAIN_TIMEOUT_S = DEFAULT_WORKER_DRAIN_TIMEOUT_S
 SETTLE_S = 1.0
 POLL_S = 0.2
 JOIN_TIMEOUT_S = 30.0  # from "loaded" to "in the scheduler's view, alive"
+# Loads of a configured worker at start-up before the start fails: a worker that
+# cannot load (out of memory, no CUDA, a bad device or model) fails the same way again.
+LOAD_ATTEMPTS = 3
 
 
 class MembershipError(ValueError):
@@ -116,6 +120,44 @@ class Membership:
     def members(self) -> dict[str, list[tuple[str, Any]]]:
         """`{pool: [(worker_id, actor handle), ...]}`, draining workers included."""
         return {pool: [(m.worker_id, m.handle) for m in ms] for pool, ms in self._members.items()}
+
+    async def wait_loaded(self, timeout_s: float, attempts: int = LOAD_ATTEMPTS) -> str | None:
+        """Wait until every configured worker has loaded its model, starting one whose load
+        failed again (a fresh id) up to `attempts` loads in all; returns why a pool cannot
+        start (the pool, the worker and the cause, one line), None once all are loaded."""
+        deadline = time.monotonic() + timeout_s
+        for pool in self._config.pools:
+            for i in range(len(self._members[pool.name])):
+                for attempt in range(1, attempts + 1):
+                    member = self._members[pool.name][i]
+                    try:
+                        await asyncio.wait_for(
+                            member.handle.info.remote(), max(1.0, deadline - time.monotonic())
+                        )
+                        break
+                    except (asyncio.TimeoutError, GetTimeoutError):
+                        return (
+                            f"pool {pool.name}: worker {member.worker_id} did not load within "
+                            f"{timeout_s:g}s"
+                        )
+                    except RayActorError as exc:
+                        cause = load_failure(exc)
+                        logger.warning(
+                            "pool %s: worker %s failed to load (attempt %d of %d): %s",
+                            pool.name, member.worker_id, attempt, attempts, cause,
+                        )
+                        ray.kill(member.handle, no_restart=True)
+                        if attempt == attempts:
+                            return (
+                                f"pool {pool.name}: worker {member.worker_id} failed to load "
+                                f"{attempts} times: {cause}"
+                            )
+                        self._members[pool.name].remove(member)
+                        replacement = self._create(pool)
+                        # Keep the configured order: the replacement takes the dead one's place.
+                        self._members[pool.name].remove(replacement)
+                        self._members[pool.name].insert(i, replacement)
+        return None
 
     # ----- changes --------------------------------------------------------
 
@@ -320,6 +362,17 @@ class Membership:
             if now >= deadline:
                 return active
             await asyncio.sleep(POLL_S)
+
+
+def load_failure(exc: BaseException) -> str:
+    """The cause of a worker's failed load, one line: the last `SomeError: message` line of
+    its constructor's traceback, else the error's first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
+    return errors[-1] if errors else (lines[0] if lines else type(exc).__name__)
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): ")
 
 
 def describe_change(result: dict[str, Any]) -> str:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import socket
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -112,60 +115,80 @@ def prepare_models(config: Any) -> None:
             raise CommandError(f"pool {pool.name}: {exc}") from exc
 
 
+def check_ports(config: Any, grpc_port: int, metrics_port: int) -> None:
+    """Every port the local ingress binds (gRPC, HTTP, each replica's metrics port), before
+    Ray starts: a busy or doubly used port is one line, not a failed deployment later."""
+    server = config.server
+    replicas = server.ingress_max_replicas or server.ingress_replicas
+    wanted: list[tuple[str, int, str]] = [(server.host, grpc_port, "--grpc-port")]
+    if server.http_port is not None:
+        wanted.append((server.host, server.http_port, "--http-port (-1 disables HTTP)"))
+    if metrics_port > 0:
+        # Each replica serves /metrics on the configured port plus its rank.
+        wanted += [
+            (server.metrics_host, metrics_port + rank, "--metrics-port (-1 disables /metrics)")
+            for rank in range(replicas)
+        ]
+    seen: dict[int, str] = {}
+    for host, port, flag in wanted:
+        if port and port in seen:
+            from pagefleet.cli import CommandError
+
+            raise CommandError(f"port {port} is asked for twice ({seen[port]} and {flag}); give each its own")
+        seen[port] = flag
+        check_port_free(host, port, flag)
+
+
 def run(args: argparse.Namespace) -> int:
+    from pagefleet.cli import CommandError
 
     config = load_config(args)
     if args.check:
         print_resolved(config)
         return 0
     preflight.check_serve(config, local=args.address is None, metrics_port=args.metrics_port)
-    from pagefleet.cluster.app import start_cluster  # imports Ray: only once the input is good
-
     grpc_port = config.server.grpc_port
-    http_port = config.server.http_port
     if args.address is None:
         # The local ingress binds on this machine: a busy port is a one-line error here
         # rather than a failed Serve deployment after the workers have loaded.
-        check_port_free(config.server.host, grpc_port, "--grpc-port")
-        if http_port is not None:
-            check_port_free(config.server.host, http_port, "--http-port (-1 disables HTTP)")
+        check_ports(config, grpc_port, args.metrics_port)
         prepare_models(config)
+    from pagefleet.cluster.app import (  # imports Ray: only once the input is good
+        StartError,
+        start_cluster,
+    )
+
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if starting:
+            stop_now(signum)
         stop.set()
 
-    previous: dict[int, Any] = {}
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     cluster = None
     try:
-        cluster = start_cluster(
-            config,
-            address=args.address,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        )
-        # Only now: ray.init replaces the SIGTERM handler with its own sys.exit, which
-        # would skip the drain. (A Ctrl-C during start-up just aborts it.)
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
-        for pool in config.pools:
-            print(f"  pool {pool.name}: model={pool.engine.model} workers={pool.workers}", flush=True)
-        print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
-        if cluster.http_port is not None:
-            scheme = "https" if config.server.tls else "http"
-            print(f"  HTTP     {scheme}://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
-        if cluster.metrics_port is not None:
-            metrics_host = config.server.metrics_host
-            if metrics_host in ("0.0.0.0", "::"):
-                metrics_host = "127.0.0.1"
-            print(f"  metrics  http://{metrics_host}:{cluster.metrics_port}/metrics")
-        import ray
-
-        print(f"  Ray      {ray.get_runtime_context().gcs_address}  (the Ray cluster's GCS address)")
-        print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
-        print("Ctrl-C to stop.", flush=True)
+        try:
+            cluster = start_cluster(
+                config,
+                address=args.address,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            )
+        except StartError as exc:
+            raise CommandError(str(exc)) from None
+        starting = False  # (start_cluster put this SIGTERM handler back after ray.init)
+        print_endpoints(config, cluster)
+        lost = None
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-            pass
+            lost = cluster.lost_gcs()
+            if lost is not None:
+                break
+        if lost is not None:
+            # Without GCS fault tolerance nothing comes back: stop, and let the
+            # supervisor (systemd, Kubernetes) start a fresh server.
+            print(f"pagefleet serve: error: {lost}; stopping", file=sys.stderr, flush=True)
+            return 1
         drain_s = config.server.drain_timeout_s
         print(f"pagefleet: draining (up to {drain_s:g}s; Ctrl-C again to stop now)", flush=True)
         stop.clear()
@@ -175,8 +198,54 @@ def run(args: argparse.Namespace) -> int:
             pass
         print("pagefleet: shutting down", flush=True)
     finally:
+        starting = False
         if cluster is not None:
             cluster.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+# SIGTERM is what Kubernetes and systemd send, SIGHUP what a closed terminal sends:
+# each drains like Ctrl-C.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_now(signum: int) -> None:
+    """A stop signal during start-up: nothing to drain yet, so end every process this
+    one started (the local Ray and its workers) and exit at once, 128 + the signal.
+
+    Not by an exception: raised from inside Ray's start-up it left Ray half torn
+    down, and the interpreter's exit then crashed.
+    """
+    import psutil
+
+    print(f"pagefleet: {signal.Signals(signum).name} during start-up: stopped", file=sys.stderr, flush=True)
+    started = psutil.Process().children(recursive=True)
+    for proc in started:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(started, timeout=10)
+    os._exit(128 + signum)
+
+
+def print_endpoints(config: Any, cluster: Any) -> None:
+    """The endpoints a client dials, once everything answers."""
+    import ray
+
+    host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
+    for pool in config.pools:
+        print(f"  pool {pool.name}: model={pool.engine.model} workers={pool.workers}", flush=True)
+    print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
+    if cluster.http_port is not None:
+        scheme = "https" if config.server.tls else "http"
+        print(f"  HTTP     {scheme}://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
+    if cluster.metrics_port is not None:
+        metrics_host = config.server.metrics_host
+        if metrics_host in ("0.0.0.0", "::"):
+            metrics_host = "127.0.0.1"
+        print(f"  metrics  http://{metrics_host}:{cluster.metrics_port}/metrics")
+    print(f"  Ray      {ray.get_runtime_context().gcs_address}  (the Ray cluster's GCS address)")
+    print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
+    print("Ctrl-C to stop.", flush=True)

@@ -219,11 +219,20 @@ class _OpenAIApi:
         return JSONResponse(self._model_entry(name))
 
     async def health(self, request: Request) -> Response:
-        """200 when every pool has a live worker, else 503 (also while draining)."""
+        """200 when every pool has a live worker, else 503 (also while draining). Live
+        workers per pool only to a tenant's key (its own pools) or with
+        `server.health_details`: pool names are no one else's business."""
         live = self._ingress.live_workers()
         ok = all(n > 0 for n in live.values()) and not self._drain.draining
         status = "draining" if self._drain.draining else "ok" if ok else "unavailable"
-        body = {"status": status, "live_workers": live}
+        body: dict[str, Any] = {"status": status}
+        tenancy = self._ingress.tenancy
+        if self._ingress.config.server.health_details:
+            body["live_workers"] = live
+        else:
+            tenant = tenancy.tenant_for_api_key(api_key_from_metadata(request.headers.items()))
+            if tenant is not None and tenant.api_key is not None:
+                body["live_workers"] = {p: live[p] for p in tenancy.visible_pools(tenant) if p in live}
         return JSONResponse(body, status_code=200 if ok else 503)
 
 
