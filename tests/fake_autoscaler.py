@@ -155,7 +155,10 @@ def start_fake_autoscaling_cluster(
         "--num-cpus=0", "--num-gpus=0",
         f"--ray-client-server-port={_free_port()}",
         f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
         "--include-dashboard=false",
+        f"--dashboard-port={_free_port()}",  # checked even without the dashboard
         "--disable-usage-stats",
         f"--temp-dir={temp_dir / 'ray'}",
         f"--autoscaling-config={config}",
@@ -164,6 +167,9 @@ def start_fake_autoscaling_cluster(
         **os.environ,
         "RAY_FAKE_CLUSTER": "1",
         "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        # A raylet waits this long for its agents' ports (30 s by default): a busy machine
+        # starts their Python processes slowly.
+        "RAY_agent_register_timeout_ms": "120000",
         # The nodes the autoscaler launches take their temporary folder from here.
         "TMPDIR": str(temp_dir),
         # The test process joins this cluster by address: no token on either side.
