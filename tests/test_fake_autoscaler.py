@@ -25,6 +25,7 @@ from cluster_fixtures import (
 )
 from fake_autoscaler import (
     GPU_NODE_RESOURCES,
+    GPU_NODE_TYPE,
     IDLE_TIMEOUT_S,
     FakeAutoscalingCluster,
     fake_autoscaling_cluster,
@@ -61,9 +62,11 @@ def pagefleet_on_gpu_node(gpu_node: dict[str, Any]) -> Iterator[RunningCluster]:
         running.shutdown()
 
 
-def test_a_gpu_request_launches_a_node_of_the_gpu_type(gpu_node: dict[str, Any]) -> None:
+def test_a_gpu_request_launches_a_node_of_the_gpu_type(
+    fake_autoscaling_cluster: FakeAutoscalingCluster, gpu_node: dict[str, Any]
+) -> None:
     assert {k: gpu_node["Resources"][k] for k in GPU_NODE_RESOURCES} == GPU_NODE_RESOURCES
-    assert gpu_node["Labels"]["ray.io/node-group"] == "gpu_worker"
+    assert f"Launching 1 nodes, type {GPU_NODE_TYPE}." in fake_autoscaling_cluster.monitor_log()
 
 
 def test_a_pagefleet_worker_runs_on_the_launched_node_and_serves(
