@@ -170,6 +170,7 @@ def start_fake_autoscaling_cluster(
         # A raylet waits this long for its agents' ports (30 s by default): a busy machine
         # starts their Python processes slowly.
         "RAY_agent_register_timeout_ms": "120000",
+        "RAY_raylet_start_wait_time_s": "120",  # and for its raylet to register with the GCS
         # The nodes the autoscaler launches take their temporary folder from here.
         "TMPDIR": str(temp_dir),
         # The test process joins this cluster by address: no token on either side.
