@@ -41,7 +41,7 @@ from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
 
 from pagefleet import LLM, SamplingParams
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "manifests" / "cluster.yaml"
