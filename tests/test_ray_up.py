@@ -295,9 +295,10 @@ def test_ray_up_installs_the_mounted_checkout_on_the_head(cluster: RayUpCluster)
     assert "/tmp/home/pagefleet/pagefleet/__init__.py" in where
 
 
-def test_ray_status_on_the_head_lists_an_active_node(cluster: RayUpCluster) -> None:
+def test_ray_status_on_the_head_lists_it_as_the_local_providers_node(cluster: RayUpCluster) -> None:
     report = cluster.ray("exec", str(cluster.config), "ray status")
-    assert "Active:" in report and "(no active nodes)" not in report, report
+    # Active or idle, the head is one node of the local provider's one node type.
+    assert "\n 1 local.cluster.node" in report, report
 
 
 def test_serve_deploy_of_the_manifest_serves_a_generate_request(cluster: RayUpCluster) -> None:
