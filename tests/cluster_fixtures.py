@@ -88,7 +88,9 @@ def status(target: str, pool: str = "", api_key: str | None = None) -> pb.Status
         return s.GetStatus(pb.StatusRequest(pool=pool), timeout=30, metadata=auth_metadata(api_key))
 
 
-def pool_status(target: str, pool: str = "default", api_key: str | None = None) -> pb.PoolStatus:
+def pool_status(
+    target: str, pool: str = "default", api_key: str | None = None
+) -> pb.PoolStatus:
     return status(target, pool, api_key).pools[0]
 
 
@@ -114,10 +116,7 @@ def open_stream(
 def offline_tiny() -> LLM:
     """The offline engine of a `small_cluster_config` pool: the no-fault, no-cluster answer."""
     return LLM(
-        model="tiny",
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=NUM_KV_BLOCKS,
-        max_model_len=MAX_MODEL_LEN,
+        model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
     )
 
 

@@ -125,9 +125,7 @@ def load_hf_reference(
     if kv_dtype is not None:
         attention = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
         _register_rounded_sdpa(attention, kv_dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention
-    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
     return model.eval()
 
 

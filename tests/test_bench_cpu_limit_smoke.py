@@ -14,20 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_limit.py"
 @pytest.mark.slow
 def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--quick",
-            "--threads",
-            "1",
-            "--kv-cache-dtype",
-            "auto",
-            "float16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--kv-cache-dtype", "auto", "float16"],
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout

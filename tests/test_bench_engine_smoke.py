@@ -14,10 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def run_smoke(script: str, *extra: str) -> str:
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), "--smoke", *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

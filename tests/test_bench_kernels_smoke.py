@@ -35,11 +35,7 @@ def test_cpu_decode_attention_benchmark_quick_prints_every_row() -> None:
     env.pop("PAGEFLEET_ATTENTION", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "cpu_decode_attention.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
+        capture_output=True, text=True, env=env, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("float32 KV (auto)", "float16 KV", "slot gather only", "SDPA only"):

@@ -250,10 +250,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pool.mark_duplicated([*named, *([b"unknown" * 2] if unknown else [])])
         old, self.duplicated = self.duplicated, named
         # Blocks changing class join the new one's tail, in release order.
-        for moved, src, dst in (
-            (old - named, self.dup_lru, self.lru),
-            (named - old, self.lru, self.dup_lru),
-        ):
+        for moved, src, dst in ((old - named, self.dup_lru, self.lru), (named - old, self.lru, self.dup_lru)):
             for h in sorted((h for h in moved if h in src), key=self.released_at.__getitem__):
                 dst[h] = src.pop(h)
 

@@ -52,9 +52,7 @@ def _bench_names() -> list[str]:
 
 
 @pytest.mark.parametrize("name", _bench_names())
-def test_bench_imports_and_runs_every_listed_script(
-    name: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_imports_and_runs_every_listed_script(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     # --help runs the script's imports (shared helpers included) and its argument parser.
     assert main(["bench", name, "--help"]) == 0
     assert "usage:" in capsys.readouterr().out
@@ -134,9 +132,7 @@ def test_target_refuses_what_is_not_a_grpc_address(target: str, message: str) ->
         parse_target(target)
 
 
-def test_generate_against_an_http_url_is_a_one_line_error(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_generate_against_an_http_url_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--target", "http://127.0.0.1:8000"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pagefleet generate: error:") and "gRPC" in err and "\n" not in err
@@ -148,9 +144,7 @@ def test_status_connection_failure_says_what_to_check(capsys: pytest.CaptureFixt
     assert "UNAVAILABLE" in err and "gRPC port" in err and "\n" not in err
 
 
-def test_status_against_the_http_port_names_the_grpc_port(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_status_against_the_http_port_names_the_grpc_port(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--target", "127.0.0.1:8000", "--timeout", "2"]) == 2
     assert "8000 is the OpenAI HTTP port" in capsys.readouterr().err
 
@@ -176,8 +170,6 @@ def test_generate_on_a_checkpoint_without_weights_is_a_one_line_error(
     assert "has no weights" in err and "\n" not in err
 
 
-def test_plan_refuses_a_max_model_len_beyond_the_models_limit(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_plan_refuses_a_max_model_len_beyond_the_models_limit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--max-model-len", "100000"]) == 2
     assert "exceeds the built-in tiny model's limit" in capsys.readouterr().err

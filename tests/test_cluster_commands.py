@@ -36,9 +36,7 @@ def test_invalid_config_is_a_one_line_user_error_naming_the_field(tmp_path: Path
         load_config(_args(config=str(path)))
 
 
-def test_status_against_nothing_exits_2_with_the_grpc_code(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_status_against_nothing_exits_2_with_the_grpc_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--target", "127.0.0.1:1", "--timeout", "2"]) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
 
@@ -70,9 +68,7 @@ def test_serve_refuses_a_checkpoint_without_weights(
     assert "has no weights" in capsys.readouterr().err
 
 
-def test_serve_refuses_a_cuda_pool_without_cuda(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_serve_refuses_a_cuda_pool_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -86,25 +82,13 @@ def test_serve_refuses_a_cuda_pool_without_cuda(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (
-            ["--pool", "default", "--workers", "0"],
-            "--workers must be >= 1 (a pool keeps at least one worker), got 0",
-        ),
+        (["--pool", "default", "--workers", "0"], "--workers must be >= 1 (a pool keeps at least one worker), got 0"),
         (["--workers", "2"], "--workers needs --pool NAME"),
         ([], "give exactly one of --workers N (with --pool) and --remove WORKER_ID"),
         (["--pool", "a", "--workers", "2", "--remove", "a-0"], "give exactly one of"),
-        (
-            ["--pool", "a", "--remove", "a-0"],
-            "--remove names the worker; --pool goes with --workers",
-        ),
-        (
-            ["--pool", "a", "--workers", "2", "--timeout", "0"],
-            "--timeout must be > 0 seconds, got 0",
-        ),
-        (
-            ["--remove", "a-1", "--drain-timeout", "-1"],
-            "--drain-timeout must be > 0 seconds, got -1",
-        ),
+        (["--pool", "a", "--remove", "a-0"], "--remove names the worker; --pool goes with --workers"),
+        (["--pool", "a", "--workers", "2", "--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+        (["--remove", "a-1", "--drain-timeout", "-1"], "--drain-timeout must be > 0 seconds, got -1"),
     ],
 )
 def test_scale_bad_input_is_one_line_and_exit_2_before_any_connection(
@@ -132,13 +116,8 @@ def test_a_driver_connecting_by_address_sends_the_token_it_has(
 
     monkeypatch.setenv("HOME", str(tmp_path))
     assert not use_cluster_token({})  # no token anywhere: the mode stays unset
-    assert (
-        use_cluster_token(env := {"RAY_AUTH_TOKEN": "secret"}) and env["RAY_AUTH_MODE"] == "token"
-    )
-    assert (
-        not use_cluster_token(env := {"RAY_AUTH_MODE": "disabled"})
-        and env["RAY_AUTH_MODE"] == "disabled"
-    )
+    assert use_cluster_token(env := {"RAY_AUTH_TOKEN": "secret"}) and env["RAY_AUTH_MODE"] == "token"
+    assert not use_cluster_token(env := {"RAY_AUTH_MODE": "disabled"}) and env["RAY_AUTH_MODE"] == "disabled"
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("secret")
     assert use_cluster_token(env := {}) and env["RAY_AUTH_MODE"] == "token"

@@ -204,9 +204,7 @@ def test_eviction_watermarks_come_from_the_scheduler_section_and_zero_turns_them
 
 
 def test_a_zero_low_watermark_evicts_nothing_ahead_but_keeps_replica_awareness() -> None:
-    config = ClusterConfig.from_dict(
-        {"pools": [{"name": "default"}], "scheduler": {"evict_low_watermark": 0}}
-    )
+    config = ClusterConfig.from_dict({"pools": [{"name": "default"}], "scheduler": {"evict_low_watermark": 0}})
     marks = config.scheduler.eviction_watermarks()
     assert marks is not None and marks.low == 0 and marks.replica_aware
     starving = LoadReport("w", "default", 1, 0.0, 100, 0, 50, 50, 50)
@@ -247,9 +245,7 @@ def test_scheduler_migration_is_on_by_default_and_can_be_turned_off() -> None:
         ClusterConfig.from_dict(
             {"pools": [{"name": "default"}], "scheduler": {"migration_transfer": "always"}}
         )
-    off = ClusterConfig.from_dict(
-        {"pools": [{"name": "default"}], "scheduler": {"migration": False}}
-    )
+    off = ClusterConfig.from_dict({"pools": [{"name": "default"}], "scheduler": {"migration": False}})
     assert off.scheduler.migration_policy() is None
     with pytest.raises(ConfigError, match="migration_margin_blocks: must be >= 0, got -1"):
         ClusterConfig.from_dict(
@@ -278,10 +274,7 @@ def test_scheduler_shards_own_whole_pools_balanced_by_workers() -> None:
     # The largest pool first, each to the lightest shard: a | d, b, c; 4 workers each.
     assert owners == {"a": 0, "b": 1, "c": 1, "d": 1}
     assert list(owners) == ["a", "b", "c", "d"]  # config order
-    assert (
-        ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}}).scheduler_shards()
-        == owners
-    )
+    assert ClusterConfig.from_dict({"pools": pools, "scheduler": {"shards": 2}}).scheduler_shards() == owners
 
 
 def test_every_scheduler_shard_owns_a_pool_and_ties_go_to_the_lower_shard() -> None:
@@ -296,9 +289,7 @@ def test_admission_defaults_to_the_full_request_and_bad_values_name_the_field() 
     assert ClusterConfig.from_dict({"pools": [{"name": "a"}]}).scheduler.admission == "full"
     with pytest.raises(ConfigError, match=r"scheduler\.admission: must be one of full, prompt"):
         ClusterConfig.from_dict({"pools": [{"name": "a"}], "scheduler": {"admission": "max"}})
-    with pytest.raises(
-        ConfigError, match=r"scheduler\.admission_overcommit: must be a factor from 1\.0"
-    ):
+    with pytest.raises(ConfigError, match=r"scheduler\.admission_overcommit: must be a factor from 1\.0"):
         ClusterConfig.from_dict(
             {"pools": [{"name": "a"}], "scheduler": {"admission_overcommit": 0.5}}
         )

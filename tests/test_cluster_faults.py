@@ -115,33 +115,35 @@ def faults_config(cert_file: Path, key_file: Path) -> dict[str, Any]:
         "max_num_batched_tokens": 256,
         "device": "cpu",
     }
-    return {
-        "pools": [
-            {"name": "default", **pool},
-            # Room for a stream that outlasts the drain timeout.
-            {"name": "other", **pool, "max_model_len": LONG_MODEL_LEN, "num_kv_blocks": 520},
-        ],
-        "tenants": [
-            {"name": "acme", "pool": "default", "api_key": KEY_ACME},
-            {"name": "beta", "pool": "default", "api_key": KEY_BETA},
-            {"name": "gamma", "pool": "other", "api_key": KEY_GAMMA},
-        ],
-        "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 32},
-        "server": {
-            # Public fronts; /metrics must still stay on localhost (metrics_host).
-            "host": "0.0.0.0",
-            "grpc_port": 0,
-            "http_port": 0,
-            "max_message_bytes": LIMIT_BYTES,
-            "max_body_bytes": LIMIT_BYTES,
-            "header_timeout_s": TIMEOUT_S,
-            "body_timeout_s": TIMEOUT_S,
-            "idle_timeout_s": TIMEOUT_S,
-            "drain_timeout_s": DRAIN_TIMEOUT_S,
-            "tls_cert_file": str(cert_file),
-            "tls_key_file": str(key_file),
-        },
-    }
+    return (
+        {
+            "pools": [
+                {"name": "default", **pool},
+                # Room for a stream that outlasts the drain timeout.
+                {"name": "other", **pool, "max_model_len": LONG_MODEL_LEN, "num_kv_blocks": 520},
+            ],
+            "tenants": [
+                {"name": "acme", "pool": "default", "api_key": KEY_ACME},
+                {"name": "beta", "pool": "default", "api_key": KEY_BETA},
+                {"name": "gamma", "pool": "other", "api_key": KEY_GAMMA},
+            ],
+            "scheduler": {"report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 32},
+            "server": {
+                # Public fronts; /metrics must still stay on localhost (metrics_host).
+                "host": "0.0.0.0",
+                "grpc_port": 0,
+                "http_port": 0,
+                "max_message_bytes": LIMIT_BYTES,
+                "max_body_bytes": LIMIT_BYTES,
+                "header_timeout_s": TIMEOUT_S,
+                "body_timeout_s": TIMEOUT_S,
+                "idle_timeout_s": TIMEOUT_S,
+                "drain_timeout_s": DRAIN_TIMEOUT_S,
+                "tls_cert_file": str(cert_file),
+                "tls_key_file": str(key_file),
+            },
+        }
+    )
 
 
 @dataclass
@@ -189,25 +191,13 @@ def cluster(cert: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
     ClusterConfig.from_dict(config)  # a bad config fails here, with its message
     config_file.write_text(yaml.safe_dump(config))
     command = [
-        sys.executable,
-        "-m",
-        "pagefleet",
-        "serve",
-        "--config",
-        str(config_file),
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--metrics-port",
-        "0",
+        sys.executable, "-m", "pagefleet", "serve", "--config", str(config_file),
+        "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
     ]
     # This process joins the serve process's Ray cluster (to read its workers): no token.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         ports = _wait_for_ports(process, log, timeout_s=400)
         # The test process joins the serve process's Ray cluster to read its workers.
@@ -302,13 +292,8 @@ def no_worker_hurt(cluster: Served, worker_pids: list[int]) -> Iterator[None]:
 
 
 def _generate(
-    stub: pb_grpc.GenerationStub,
-    prompt: str | list[int],
-    key: str = KEY_ACME,
-    *,
-    request_id: str = "",
-    pool: str = "",
-    **sampling: Any,
+    stub: pb_grpc.GenerationStub, prompt: str | list[int], key: str = KEY_ACME, *, request_id: str = "",
+    pool: str = "", **sampling: Any,
 ) -> list[pb.GenerateResponse]:
     req = build_request(prompt, sampling, request_id=request_id, pool=pool)
     return list(stub.Generate(req, timeout=120, metadata=auth_metadata(key)))
@@ -338,16 +323,13 @@ def test_tiny_temperatures_are_greedy_and_every_other_stream_finishes(
     want = _tokens(_generate(grpc_stub, PROMPT, max_tokens=12))
 
     def bystander(i: int) -> list[pb.GenerateResponse]:
-        return _generate(
-            grpc_stub, f"{PROMPT} {i}", KEY_BETA, max_tokens=24, temperature=0.8, seed=i
-        )
+        return _generate(grpc_stub, f"{PROMPT} {i}", KEY_BETA, max_tokens=24, temperature=0.8, seed=i)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         others = [pool.submit(bystander, i) for i in range(2)]
         poison_grpc = pool.submit(_generate, grpc_stub, PROMPT, max_tokens=12, temperature=1e-39)
         poison_http = pool.submit(
-            http.post,
-            "/v1/completions",
+            http.post, "/v1/completions",
             json={"model": "default", "prompt": PROMPT, "max_tokens": 12, "temperature": 1e-300},
         )
         assert _tokens(poison_grpc.result()) == want
@@ -355,9 +337,7 @@ def test_tiny_temperatures_are_greedy_and_every_other_stream_finishes(
         assert r.status_code == 200, r.text
         for fut in others:
             assert fut.result()[-1].finish_reason in ("length", "stop")
-    assert r.json()["choices"][0]["text"] == "".join(
-        m.text for m in _generate(grpc_stub, PROMPT, max_tokens=12)
-    )
+    assert r.json()["choices"][0]["text"] == "".join(m.text for m in _generate(grpc_stub, PROMPT, max_tokens=12))
 
 
 def test_sampling_values_the_sampler_cannot_compute_are_invalid_argument(
@@ -376,15 +356,7 @@ def test_sampling_values_the_sampler_cannot_compute_are_invalid_argument(
 def test_two_tenants_may_use_the_same_request_id_at_once(grpc_stub: pb_grpc.GenerationStub) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = [
-            pool.submit(
-                _generate,
-                grpc_stub,
-                PROMPT,
-                key,
-                request_id="shared-id",
-                max_tokens=40,
-                ignore_eos=True,
-            )
+            pool.submit(_generate, grpc_stub, PROMPT, key, request_id="shared-id", max_tokens=40, ignore_eos=True)
             for key in (KEY_ACME, KEY_BETA)
         ]
         for run in runs:
@@ -399,9 +371,7 @@ def test_abort_of_another_tenants_request_is_not_found_and_leaves_it_running(
     req = build_request(PROMPT, {"max_tokens": 100, "ignore_eos": True}, request_id="acme-only")
     stream = grpc_stub.Generate(req, timeout=120, metadata=auth_metadata(KEY_ACME))
     first = next(stream)
-    found = grpc_stub.Abort(
-        pb.AbortRequest(request_id="acme-only"), metadata=auth_metadata(KEY_BETA)
-    )
+    found = grpc_stub.Abort(pb.AbortRequest(request_id="acme-only"), metadata=auth_metadata(KEY_BETA))
     rest = list(stream)
     assert not found.found
     assert rest[-1].finish_reason == "length"
@@ -418,9 +388,7 @@ def test_another_tenants_pool_answers_exactly_like_an_unknown_one(
 ) -> None:
     def status_error(pool: str) -> grpc.RpcError:
         return _grpc_error(
-            lambda: grpc_stub.GetStatus(
-                pb.StatusRequest(pool=pool), metadata=auth_metadata(KEY_ACME)
-            )
+            lambda: grpc_stub.GetStatus(pb.StatusRequest(pool=pool), metadata=auth_metadata(KEY_ACME))
         )
 
     def generate_error(pool: str) -> grpc.RpcError:
@@ -457,9 +425,7 @@ def test_metrics_listen_on_localhost_only(cluster: Served) -> None:
 def test_a_prompt_longer_than_max_model_len_can_hold_is_refused_naming_the_limit(
     grpc_stub: pb_grpc.GenerationStub,
 ) -> None:
-    err = _grpc_error(
-        lambda: _generate(grpc_stub, "word " * 10_000)
-    )  # 50 kB, under the message limit
+    err = _grpc_error(lambda: _generate(grpc_stub, "word " * 10_000))  # 50 kB, under the message limit
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "characters cannot fit" in (err.details() or "")
 
@@ -510,7 +476,7 @@ def test_a_body_that_never_arrives_is_408(cluster: Served, tls_context: ssl.SSLC
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
             + f"Authorization: Bearer {KEY_ACME}\r\n".encode()
-            + b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt"'
+            + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\""
         )
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
 
@@ -537,9 +503,7 @@ def test_a_connection_that_sends_nothing_is_closed(
         (b'{"prompt": [1, 99999999999999999999]}', "outside [0, 2147483648)"),
     ],
 )
-def test_malformed_http_bodies_are_400_with_the_reason(
-    http: httpx.Client, body: bytes, reason: str
-) -> None:
+def test_malformed_http_bodies_are_400_with_the_reason(http: httpx.Client, body: bytes, reason: str) -> None:
     r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert reason in _error(r, 400)
 
@@ -572,15 +536,11 @@ def test_a_plaintext_client_gets_no_answer_from_the_tls_server(cluster: Served) 
 # ----- fuzz: generated requests never hurt the server -----------------------------------
 
 _GRPC_OK = {
-    grpc.StatusCode.OK,
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _FUZZ = settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
+    max_examples=25, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 _floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -618,9 +578,7 @@ def _code(call: Any) -> grpc.StatusCode:
 def test_fuzzed_grpc_requests_get_a_client_status_code(
     grpc_stub: pb_grpc.GenerationStub, req: pb.GenerateRequest
 ) -> None:
-    code = _code(
-        lambda: list(grpc_stub.Generate(req, timeout=120, metadata=auth_metadata(KEY_ACME)))
-    )
+    code = _code(lambda: list(grpc_stub.Generate(req, timeout=120, metadata=auth_metadata(KEY_ACME))))
     assert code in _GRPC_OK
 
 
@@ -630,24 +588,16 @@ def test_fuzzed_grpc_bytes_get_a_client_status_code(channel: grpc.Channel, data:
     call = channel.unary_stream(
         "/pagefleet.v1.Generation/Generate", request_serializer=None, response_deserializer=None
     )
-    assert (
-        _code(lambda: list(call(data, timeout=120, metadata=auth_metadata(KEY_BETA)))) in _GRPC_OK
-    )
+    assert _code(lambda: list(call(data, timeout=120, metadata=auth_metadata(KEY_BETA)))) in _GRPC_OK
 
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
-    ),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
 _bodies = st.fixed_dictionaries(
-    {
-        "prompt": st.text(max_size=80)
-        | st.lists(st.integers(-5, 2000) | st.integers(), max_size=8)
-        | _json
-    },
+    {"prompt": st.text(max_size=80) | st.lists(st.integers(-5, 2000) | st.integers(), max_size=8) | _json},
     optional={
         "model": st.sampled_from(["default", "other", "tiny", "zz"]) | _json,
         "max_tokens": st.integers(-3, 200) | _json,

@@ -81,9 +81,7 @@ class Stream:
     def __init__(self, target: str, prompt: str | list[int], **sampling: Any) -> None:
         # A local subchannel pool: a new TCP connection per stream, which the kernel
         # hands to one of the replicas listening on the port.
-        self.channel = grpc.insecure_channel(
-            target, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
+        self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
         s = pb_grpc.GenerationStub(self.channel)
         self.call = s.Generate(build_request(prompt, sampling), timeout=120)
         self.replica = dict(self.call.initial_metadata())[REPLICA_KEY]
@@ -100,9 +98,7 @@ class Stream:
         return self.messages
 
 
-def _stream_on(
-    target: str, replica: str | None, prompt: str, *, avoid: bool = False, **sampling: Any
-) -> Stream:
+def _stream_on(target: str, replica: str | None, prompt: str, *, avoid: bool = False, **sampling: Any) -> Stream:
     """A stream served by `replica` (or, with `avoid`, by any other); new connections
     until the kernel hands one to it."""
     for _ in range(60):
@@ -111,9 +107,7 @@ def _stream_on(
             return stream
         stream.call.cancel()
         stream.channel.close()
-    raise AssertionError(
-        f"60 connections and none reached the wanted replica ({replica}, avoid={avoid})"
-    )
+    raise AssertionError(f"60 connections and none reached the wanted replica ({replica}, avoid={avoid})")
 
 
 def _pid(replica_id: str) -> int:
@@ -148,13 +142,9 @@ def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
     # The worker's KV events reach the scheduler with its next push; from there every
     # replica's long poll brings them at once (the pause covers that delivery).
     wait_for(
-        lambda: (
-            len(ray.get(cluster.scheduler.cached_hashes.remote(worker), timeout=30))
-            >= before[worker] + 2
-        ),
-        30,
-        "the prompt's blocks in the scheduler's index",
-        0.1,
+        lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(worker), timeout=30))
+        >= before[worker] + 2,
+        30, "the prompt's blocks in the scheduler's index", 0.1,
     )
     time.sleep(1.0)
     other = _stream_on(target, first.replica, f"{prefix} question 1?", avoid=True, max_tokens=2)
@@ -180,12 +170,8 @@ def test_a_routing_decision_reaches_the_other_replica_before_the_workers_kv_even
             )
             # Its route note is at the scheduler, and so at once with every replica's long
             # poll; the worker's KV events wait for its next push (every 0.2 s here).
-            wait_for(
-                lambda: _index_stats(cluster)["route_notes"] > notes, 10, "the route note", 0.005
-            )
-            second = list(
-                stub1.Generate(build_request([*prefix, 3, 4], {"max_tokens": 2}), timeout=120)
-            )
+            wait_for(lambda: _index_stats(cluster)["route_notes"] > notes, 10, "the route note", 0.005)
+            second = list(stub1.Generate(build_request([*prefix, 3, 4], {"max_tokens": 2}), timeout=120))
             rest = list(first)
     # Without the note the other replica sees two idle workers without the prefix, and
     # picks one at random.
@@ -208,7 +194,6 @@ def test_index_drift_settles_to_zero_after_traffic(cluster: RunningCluster, targ
 
 
 # ----- migration and aborts across replicas -----------------------------------------
-
 
 # Token-id prompts: 8 shared blocks (the prefix that pins them to one worker) and 8 of
 # their own; with 96 tokens out, four of them need 8 + 4 x 32 = 136 of a worker's 96
@@ -242,9 +227,7 @@ def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_uncha
     pinned = warm[-1].worker_id
     wait_for(
         lambda: len(ray.get(cluster.scheduler.cached_hashes.remote(pinned), timeout=30)) >= 8,
-        30,
-        "the shared prefix in the scheduler's index",
-        0.1,
+        30, "the shared prefix in the scheduler's index", 0.1,
     )
     time.sleep(1.0)  # every replica's view has it
     try:
@@ -268,13 +251,8 @@ def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_uncha
     with grpc.insecure_channel(target) as channel:
 
         def in_status() -> dict[str, int]:
-            (pool,) = (
-                pb_grpc.GenerationStub(channel).GetStatus(pb.StatusRequest(), timeout=30).pools
-            )
-            return {
-                "pool": pool.migrations,
-                **{w.worker_id: w.migrations_out for w in pool.workers},
-            }
+            (pool,) = pb_grpc.GenerationStub(channel).GetStatus(pb.StatusRequest(), timeout=30).pools
+            return {"pool": pool.migrations, **{w.worker_id: w.migrations_out for w in pool.workers}}
 
         wait_for(lambda: in_status()[pinned] > 0 and in_status()["pool"] >= in_status()[pinned], 10,
                  "the migration in GetStatus", 0.2)  # fmt: skip
@@ -317,9 +295,7 @@ def test_abort_sent_to_the_replica_without_the_stream_ends_it_with_abort(
     first = stream.first_token()
     channel, other = _replica_channel(target, avoid=stream.replica)
     with channel:
-        answer, call = other.Abort.with_call(
-            pb.AbortRequest(request_id=first.request_id), timeout=30
-        )
+        answer, call = other.Abort.with_call(pb.AbortRequest(request_id=first.request_id), timeout=30)
         assert dict(call.initial_metadata())[REPLICA_KEY] != stream.replica
     assert answer.found
     got = stream.rest()
@@ -351,14 +327,9 @@ def test_hung_worker_leaves_routing_its_stream_resumes_elsewhere_and_its_copy_is
     # Awake again, the victim aborts its copy (the autouse check sees its blocks
     # freed) and comes back into routing.
     wait_for(
-        lambda: any(
-            w.alive
-            for w in ray.get(cluster.scheduler.get_view.remote()).workers
-            if w.worker_id == victim
-        ),
-        30,
-        f"{victim} back in routing",
-        0.2,
+        lambda: any(w.alive for w in ray.get(cluster.scheduler.get_view.remote()).workers
+                    if w.worker_id == victim),
+        30, f"{victim} back in routing", 0.2,
     )
 
 
@@ -368,9 +339,7 @@ def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
     sampling, want = _long(offline, "The surviving replica streams this")
     doomed = _stream_on(target, None, "This stream dies with its replica", **sampling)
     doomed.first_token()
-    survivor = _stream_on(
-        target, doomed.replica, "The surviving replica streams this", avoid=True, **sampling
-    )
+    survivor = _stream_on(target, doomed.replica, "The surviving replica streams this", avoid=True, **sampling)
     survivor.first_token()
     os.kill(_pid(doomed.replica), signal.SIGKILL)
     got = survivor.rest()
@@ -379,12 +348,7 @@ def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
         doomed.rest()
     # The workers abort the dead replica's requests (autouse check), and Serve
     # restarts the replica: fresh connections reach two replicas again.
-    wait_for(
-        lambda: _replicas_reached(target) == 2,
-        120,
-        "two live replicas after Serve restarted one",
-        1.0,
-    )
+    wait_for(lambda: _replicas_reached(target) == 2, 120, "two live replicas after Serve restarted one", 1.0)
 
 
 def _replicas_reached(target: str) -> int:
@@ -446,17 +410,13 @@ def test_a_replica_scaled_down_hands_its_clients_to_the_other_while_its_streams_
         # A new call on each stream's own connection; none may be refused meanwhile.
         replicas = set()
         for stub in stubs:
-            call = stub.Generate(
-                build_request("a new call on an open channel", {"max_tokens": 1}), timeout=60
-            )
+            call = stub.Generate(build_request("a new call on an open channel", {"max_tokens": 1}), timeout=60)
             replicas.add(dict(call.initial_metadata())[REPLICA_KEY])
             assert list(call)[-1].finish_reason == "length"
         return replicas
 
     # Once the drain has begun, both connections' new calls reach the replica left.
-    wait_for(
-        lambda: len(served_by()) == 1, 30, "new calls on both channels served by one replica", 0.05
-    )
+    wait_for(lambda: len(served_by()) == 1, 30, "new calls on both channels served by one replica", 0.05)
     (left,) = served_by()
     assert left in {first.replica, second.replica}
     for s in (first, second):

@@ -213,9 +213,7 @@ def test_text_prompt_for_a_model_without_tokenizer_is_invalid_argument(tmp_path)
 
     for name in ("config.json", "model.safetensors"):
         shutil.copy(ensure_tiny_model() / name, tmp_path / name)
-    ingress = Ingress(
-        ClusterConfig.from_dict({"pools": [{"name": "a", "model": str(tmp_path)}]}), {}
-    )
+    ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a", "model": str(tmp_path)}]}), {})
     req = GenerationRequest.create(request_id="r0", prompt="hello", sampling={})
 
     async def first() -> None:

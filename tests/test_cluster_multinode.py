@@ -42,16 +42,12 @@ def _node_of_worker(target: str) -> dict[str, str]:
     return {w.worker_id: w.node_id for w in pool_status(target).workers if w.alive}
 
 
-def test_pool_spreads_its_workers_over_both_nodes(
-    two_nodes: tuple[Cluster, Any, RunningCluster],
-) -> None:
+def test_pool_spreads_its_workers_over_both_nodes(two_nodes: tuple[Cluster, Any, RunningCluster]) -> None:
     _, _, running = two_nodes
     assert len(set(_node_of_worker(running.grpc_target).values())) == 2
 
 
-def test_removing_a_node_mid_run_loses_no_request(
-    two_nodes: tuple[Cluster, Any, RunningCluster],
-) -> None:
+def test_removing_a_node_mid_run_loses_no_request(two_nodes: tuple[Cluster, Any, RunningCluster]) -> None:
     nodes, second, running = two_nodes
     target = running.grpc_target
     want = [tokens_of(generate(target, p, max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
@@ -80,9 +76,7 @@ def test_removing_a_node_mid_run_loses_no_request(
     for expected, got in zip(want, results, strict=True):
         assert got[-1].finish_reason == "length"
         assert tokens_of(got) == expected
-    moved = [
-        got for got in results if got[0].worker_id == victims[0] and got[-1].worker_id != victims[0]
-    ]
+    moved = [got for got in results if got[0].worker_id == victims[0] and got[-1].worker_id != victims[0]]
     assert moved, "no stream moved off the removed node's worker"
     wait_for(
         lambda: len(_node_of_worker(target)) == 2,

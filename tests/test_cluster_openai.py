@@ -62,9 +62,7 @@ def openai_cluster_config() -> ClusterConfig:
             ],
             # Admission by prompt: the full-pool test holds four long streams on one worker.
             "scheduler": {
-                "report_interval_s": 0.2,
-                "report_timeout_s": 2.0,
-                "wait_queue_size": 2,
+                "report_interval_s": 0.2, "report_timeout_s": 2.0, "wait_queue_size": 2,
                 "admission": "prompt",
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
@@ -161,10 +159,7 @@ def http(cluster: RunningCluster) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(
-        model="tiny",
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=NUM_KV_BLOCKS,
-        max_model_len=MAX_MODEL_LEN,
+        model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN
     )
 
 
@@ -238,13 +233,7 @@ def test_streamed_chunks_concatenate_to_the_completion_and_end_with_done(
     http: httpx.Client, offline: LLM
 ) -> None:
     want = offline.generate(PROMPT, SamplingParams(max_tokens=12))[0]
-    fields = {
-        "model": "default",
-        "prompt": PROMPT,
-        "max_tokens": 12,
-        "temperature": 0,
-        "stream": True,
-    }
+    fields = {"model": "default", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/completions", json=fields) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -283,9 +272,7 @@ def test_repeated_prompt_reports_cached_prompt_tokens(http: httpx.Client) -> Non
 @pytest.mark.usefixtures("pool_ends_clean")
 def test_seed_makes_sampled_completions_reproducible(http: httpx.Client) -> None:
     fields = {"max_tokens": 8, "temperature": 1.0, "seed": 1234}
-    assert (
-        _complete(http, PROMPT, **fields)["choices"] == _complete(http, PROMPT, **fields)["choices"]
-    )
+    assert _complete(http, PROMPT, **fields)["choices"] == _complete(http, PROMPT, **fields)["choices"]
 
 
 @pytest.mark.usefixtures("pool_ends_clean")
@@ -318,13 +305,7 @@ def test_chat_completion_answers_the_role_joined_prompt(http: httpx.Client, offl
 @pytest.mark.usefixtures("pool_ends_clean")
 def test_chat_stream_has_openai_chunk_shape(http: httpx.Client, offline: LLM) -> None:
     want = offline.generate(chat_prompt(CHAT, offline.tokenizer), SamplingParams(max_tokens=10))[0]
-    fields = {
-        "model": "default",
-        "messages": CHAT,
-        "max_tokens": 10,
-        "temperature": 0,
-        "stream": True,
-    }
+    fields = {"model": "default", "messages": CHAT, "max_tokens": 10, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=fields) as r:
         events = _sse_events(r)
     assert events[-1] == "[DONE]"
@@ -376,10 +357,7 @@ def test_unknown_api_key_is_401(http: httpx.Client) -> None:
 def test_another_tenants_pool_is_404_like_an_unknown_model(http: httpx.Client) -> None:
     other = http.post("/v1/completions", json={"model": "other", "prompt": PROMPT})
     unknown = http.post("/v1/completions", json={"model": "nothere", "prompt": PROMPT})
-    assert (
-        _error(other, 404)["message"].replace("'other'", "'nothere'")
-        == _error(unknown, 404)["message"]
-    )
+    assert _error(other, 404)["message"].replace("'other'", "'nothere'") == _error(unknown, 404)["message"]
 
 
 def test_grpc_status_and_abort_need_an_api_key_when_tenants_have_keys(
@@ -516,9 +494,7 @@ def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
 
     r = asyncio.run(scenario())
     assert "limit 6" in _error(r, 429)["message"]
-    wait_for(
-        lambda: _pool_is_clean(cluster, "other"), 60, "pool 'other' freed after the disconnects"
-    )
+    wait_for(lambda: _pool_is_clean(cluster, "other"), 60, "pool 'other' freed after the disconnects")
     # The two clients that disconnected while queued left the ingress queue too.
     wait_for(
         lambda: pool_status(cluster.grpc_target, "other", KEY_GLOBEX).num_waiting == 0,

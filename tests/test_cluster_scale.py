@@ -64,9 +64,7 @@ def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
 
 
 def _scale(cluster: RunningCluster, workers: int, timeout_s: float = 180.0) -> dict[str, Any]:
-    return dict(
-        ray.get(cluster.membership.scale.remote("default", workers, timeout_s, 30.0), timeout=300)
-    )
+    return dict(ray.get(cluster.membership.scale.remote("default", workers, timeout_s, 30.0), timeout=300))
 
 
 def _workers(cluster: RunningCluster) -> dict[str, pb.WorkerStatus]:
@@ -89,22 +87,15 @@ def _metric_workers(cluster: RunningCluster) -> set[str]:
 ALL = {"default-0", "default-1", "default-2"}
 
 
-def test_workers_added_while_a_stream_runs_join_routing(
-    cluster: RunningCluster, offline: LLM
-) -> None:
+def test_workers_added_while_a_stream_runs_join_routing(cluster: RunningCluster, offline: LLM) -> None:
     channel, stream = open_stream(cluster.grpc_target, "A stream while the pool grows", **SAMPLING)
     with channel:
         first = next(stream)
         result = _scale(cluster, 3)
         assert result["added"] == ["default-1", "default-2"] and result["workers"] == sorted(ALL)
-        wait_for(
-            lambda: sum(w.alive for w in _workers(cluster).values()) == 3, 30, "three live workers"
-        )
+        wait_for(lambda: sum(w.alive for w in _workers(cluster).values()) == 3, 30, "three live workers")
         # Round robin: new requests now go to every worker, the new ones included.
-        routed = {
-            generate(cluster.grpc_target, f"spread {i}", max_tokens=2)[-1].worker_id
-            for i in range(6)
-        }
+        routed = {generate(cluster.grpc_target, f"spread {i}", max_tokens=2)[-1].worker_id for i in range(6)}
         assert routed == ALL
         rest = list(stream)
     assert tokens_of([first, *rest]) == _want(offline, "A stream while the pool grows")
@@ -122,16 +113,11 @@ def test_a_removed_worker_drains_its_stream_then_leaves_every_view(
         first = next(stream)
         victim = first.worker_id
         survivors = set(_workers(cluster)) - {victim}
-        removal = pool.submit(
-            lambda: ray.get(cluster.membership.remove.remote(victim, 60.0), timeout=120)
-        )
+        removal = pool.submit(lambda: ray.get(cluster.membership.remove.remote(victim, 60.0), timeout=120))
         wait_for(lambda: _workers(cluster)[victim].draining, 30, f"{victim} draining")
         assert not _workers(cluster)[victim].alive
         # Out of routing: new requests go to the survivors only, while the stream goes on.
-        routed = {
-            generate(cluster.grpc_target, f"drain {i}", max_tokens=2)[-1].worker_id
-            for i in range(4)
-        }
+        routed = {generate(cluster.grpc_target, f"drain {i}", max_tokens=2)[-1].worker_id for i in range(4)}
         assert routed == survivors
         rest = list(stream)
         result = removal.result(timeout=120)

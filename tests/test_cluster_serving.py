@@ -68,12 +68,7 @@ def offline() -> LLM:
 
 def _hit_tokens(target: str, worker_id: str) -> int:
     """The worker's prefix hits as the ingress's view has them (its reports arrive through it)."""
-    return next(
-        w.prefix_hit_tokens
-        for p in status(target).pools
-        for w in p.workers
-        if w.worker_id == worker_id
-    )
+    return next(w.prefix_hit_tokens for p in status(target).pools for w in p.workers if w.worker_id == worker_id)
 
 
 def _live_workers(target: str) -> list[str]:
@@ -110,12 +105,8 @@ def test_each_pool_is_served_through_the_scheduler_shard_that_owns_it(
     assert cluster.config.scheduler_shards() == {"default": 0, "spare0": 1}
     owner, other = cluster.schedulers[shard], cluster.schedulers[1 - shard]
     members = sorted(wid for wid, _ in cluster.workers[pool])
-    assert (
-        sorted(w.worker_id for w in ray.get(owner.get_view.remote(), timeout=30).workers) == members
-    )
-    assert not {w.worker_id for w in ray.get(other.get_view.remote(), timeout=30).workers} & set(
-        members
-    )
+    assert sorted(w.worker_id for w in ray.get(owner.get_view.remote(), timeout=30).workers) == members
+    assert not {w.worker_id for w in ray.get(other.get_view.remote(), timeout=30).workers} & set(members)
     indexed = {w: len(ray.get(owner.cached_hashes.remote(w), timeout=30)) for w in members}
     prefix = LONG_PREFIX.format(f"shard {shard}")
     first = generate(target, f"{prefix} question 0?", pool=pool, max_tokens=2)[-1]
@@ -129,9 +120,7 @@ def test_each_pool_is_served_through_the_scheduler_shard_that_owns_it(
     time.sleep(cluster.config.router.speculative_ttl_s + 1.0)
     second = generate(target, f"{prefix} question 1?", pool=pool, max_tokens=2)[-1]
     assert second.worker_id == worker and second.usage.cached_tokens >= 8
-    wait_for(
-        lambda: _hit_tokens(target, worker) >= before + 8, 30, f"{pool}'s hit in the ingress's view"
-    )
+    wait_for(lambda: _hit_tokens(target, worker) >= before + 8, 30, f"{pool}'s hit in the ingress's view")
 
 
 def test_grpc_streams_equal_offline_generate(target: str, offline: LLM) -> None:
@@ -365,9 +354,7 @@ def _hold_spare0(cluster: RunningCluster, target: str) -> list[tuple[grpc.Channe
     holders = [open_stream_in_pool(target, f"hold the worker {i}", "spare0") for i in range(4)]
     worker_id = cluster.workers["spare0"][0][0]
     wait_for(
-        lambda: (
-            (lambda s: s["num_running"] + s["num_waiting"])(worker_stats(cluster, worker_id)) == 4
-        ),
+        lambda: (lambda s: s["num_running"] + s["num_waiting"])(worker_stats(cluster, worker_id)) == 4,
         30,
         "four requests on spare0's worker",
     )
@@ -450,9 +437,7 @@ def _run_in_spare0(
         channel, s = stub(target)
         with channel:
             req = build_request(
-                prompt,
-                {"max_tokens": max_tokens, "ignore_eos": True},
-                pool="spare0",
+                prompt, {"max_tokens": max_tokens, "ignore_eos": True}, pool="spare0",
                 priority=priority,
             )
             return list(s.Generate(req, timeout=240))
@@ -509,10 +494,7 @@ def test_a_high_priority_request_preempts_low_ones_in_a_full_pool_and_finishes_f
     assert tokens_of(high_result) == offline.generate("an urgent request", params)[0].token_ids
     long_params = SamplingParams(max_tokens=long, ignore_eos=True)
     for prompt, future in zip(low_prompts, lows, strict=True):
-        assert (
-            tokens_of(future.result(timeout=240))
-            == offline.generate(prompt, long_params)[0].token_ids
-        )
+        assert tokens_of(future.result(timeout=240)) == offline.generate(prompt, long_params)[0].token_ids
 
 
 # ----- operations ------------------------------------------------------------
@@ -583,36 +565,24 @@ def test_killing_one_scheduler_shard_leaves_both_pools_serving_and_its_view_rebu
     killed = ray.get(shard1.generation.remote(), timeout=30)
     ray.kill(shard1, no_restart=False)
     for pool in ("default", "spare0"):
-        assert generate(target, f"serve {pool} without its shard", pool=pool, max_tokens=4)[
-            -1
-        ].finish_reason
+        assert generate(target, f"serve {pool} without its shard", pool=pool, max_tokens=4)[-1].finish_reason
 
     def rebuilt() -> bool:
         if ray.get(shard1.generation.remote(), timeout=10) == killed:
             return False
         view = ray.get(shard1.get_view.remote(), timeout=10)
         stats = ray.get(shard1.index_stats.remote(), timeout=10)
-        return [w.worker_id for w in view.workers if w.alive] == ["spare0-0"] and stats[
-            "snapshots"
-        ] >= 1
-
+        return [w.worker_id for w in view.workers if w.alive] == ["spare0-0"] and stats["snapshots"] >= 1
     wait_for(rebuilt, 60, "spare0-0 re-registered with the restarted shard 1, with a snapshot", 0.5)
     # The other shard never noticed: same incarnation, same workers.
     assert ray.get(shard0.generation.remote(), timeout=30) == kept
-    assert sorted(w.worker_id for w in ray.get(shard0.get_view.remote(), timeout=30).workers) == [
-        "default-0",
-        "default-1",
-    ]
+    assert sorted(w.worker_id for w in ray.get(shard0.get_view.remote(), timeout=30).workers) == ["default-0", "default-1"]
     # The ingress follows the new incarnation: spare0's fresh hits reach GetStatus through it.
     before = _hit_tokens(target, "spare0-0")
     prefix = LONG_PREFIX.format("after the restart")
     for j in range(2):
         generate(target, f"{prefix} question {j}?", pool="spare0", max_tokens=2)
-    wait_for(
-        lambda: _hit_tokens(target, "spare0-0") >= before + 8,
-        30,
-        "spare0's new hits in the ingress's view",
-    )
+    wait_for(lambda: _hit_tokens(target, "spare0-0") >= before + 8, 30, "spare0's new hits in the ingress's view")
     assert generate(target, "default after the rebuild", max_tokens=3)[-1].finish_reason == "length"
 
 
@@ -652,10 +622,8 @@ def test_pool_without_a_live_worker_answers_unavailable(
         health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="pagefleet.v1.Generation")
         wait_for(
-            lambda: (
-                health.Check(request, timeout=10).status
-                == health_pb2.HealthCheckResponse.NOT_SERVING
-            ),
+            lambda: health.Check(request, timeout=10).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING,
             10,
             "health NOT_SERVING while pool spare0 has no live worker",
         )

@@ -58,10 +58,7 @@ def offline() -> LLM:
 
 def test_openai_client_with_any_key_gets_the_answer_and_stop(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model="default",
-        messages=QUESTION,
-        temperature=0,
-        max_tokens=24,  # type: ignore[arg-type]
+        model="default", messages=QUESTION, temperature=0, max_tokens=24  # type: ignore[arg-type]
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].finish_reason == "stop"

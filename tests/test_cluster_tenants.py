@@ -105,8 +105,7 @@ def test_while_a_floods_the_shared_pool_b_is_admitted_and_finishes(cluster: Runn
     flood_size = capacity + WAIT_QUEUE  # what the whole queue would hold without shares
     with concurrent.futures.ThreadPoolExecutor(flood_size + 3) as pool:
         flood = [
-            pool.submit(_run, target, "key-a", f"flood {i}", FLOOD_TOKENS)
-            for i in range(flood_size)
+            pool.submit(_run, target, "key-a", f"flood {i}", FLOOD_TOKENS) for i in range(flood_size)
         ]
         # a holds every slot and its half of the queue; the rest of its flood is refused.
         wait_for(
@@ -122,8 +121,7 @@ def test_while_a_floods_the_shared_pool_b_is_admitted_and_finishes(cluster: Runn
     refused = [r for r in a_results if r != "length"]
     assert len(refused) == WAIT_QUEUE // 2
     assert all(
-        r.startswith("RESOURCE_EXHAUSTED") and "its share of wait_queue_size 8" in r
-        for r in refused
+        r.startswith("RESOURCE_EXHAUSTED") and "its share of wait_queue_size 8" in r for r in refused
     )
     _pools_end_clean(cluster)
 
@@ -132,9 +130,7 @@ def test_the_ingress_exports_per_tenant_refusals_and_live_blocks(cluster: Runnin
     # Runs after the flood: a's requests past its queue share were counted by reason.
     url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
     body = urllib.request.urlopen(url, timeout=10).read().decode()
-    assert (
-        'tenant_requests_refused_total{pool="shared",reason="queue_share",tenant="a"} 4.0' in body
-    )
+    assert 'tenant_requests_refused_total{pool="shared",reason="queue_share",tenant="a"} 4.0' in body
     assert 'tenant_kv_blocks_live{pool="shared",tenant="a",worker="shared-0"}' in body
     assert "tenant_kv_block_cap_refusals_total" in body
     assert "key-b" not in body and "tenant:b" not in body  # no key, no salt

@@ -46,9 +46,7 @@ def test_concurrent_streams_get_the_same_tokens_as_one_at_a_time(engine: AsyncEn
 
 def test_leaving_a_stream_early_aborts_and_frees_its_blocks(engine: AsyncEngine) -> None:
     async def main() -> None:
-        stream = engine.generate(
-            "quit", "A prompt", SamplingParams(max_tokens=200, ignore_eos=True)
-        )
+        stream = engine.generate("quit", "A prompt", SamplingParams(max_tokens=200, ignore_eos=True))
         async for out in stream:
             if len(out.token_ids) >= 3:
                 break
@@ -69,9 +67,7 @@ def test_cancelling_the_consuming_task_aborts_the_request(engine: AsyncEngine) -
         started = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate(
-                "cancel", "Prompt", SamplingParams(max_tokens=200, ignore_eos=True)
-            ):
+            async for _ in engine.generate("cancel", "Prompt", SamplingParams(max_tokens=200, ignore_eos=True)):
                 started.set()
 
         task = asyncio.create_task(consume())

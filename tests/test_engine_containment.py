@@ -10,9 +10,7 @@ from pagefleet.worker.outputs import RequestOutput
 POISON = 7  # a token id whose embedding row is made NaN, as in a corrupt checkpoint
 
 
-def _run(
-    llm: LLM, prompts: dict[str, list[int]], params: SamplingParams
-) -> dict[str, list[RequestOutput]]:
+def _run(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[RequestOutput]]:
     engine = llm.engine
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
@@ -34,9 +32,7 @@ def test_a_request_with_non_finite_logits_fails_alone_and_its_batch_mates_finish
     assert got["bad"][-1].finish_reason == "error"
     assert got["bad"][-1].error is not None and "request 'bad' failed" in got["bad"][-1].error
     assert got["good"][-1].finish_reason == "length"
-    assert [t for d in got["good"] for t in d.new_token_ids] == [
-        t for d in want for t in d.new_token_ids
-    ]
+    assert [t for d in got["good"] for t in d.new_token_ids] == [t for d in want for t in d.new_token_ids]
     llm.check_integrity()
     stats = llm.stats()
     assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats

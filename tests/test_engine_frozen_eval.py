@@ -247,13 +247,8 @@ def test_float16_kv_in_float32_diverges_from_rounded_hf_only_at_near_ties(
     model_dir, _ = llama_float32
     hf = load_hf_reference(model_dir, dtype=torch.float32, kv_dtype=torch.float16)
     prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS) if i % 2 == 0]
-    llm = LLM(
-        model=model_dir,
-        block_size=16,
-        dtype="float32",
-        kv_cache_dtype="float16",
-        max_num_batched_tokens=40,
-    )
+    llm = LLM(model=model_dir, block_size=16, dtype="float32", kv_cache_dtype="float16",
+              max_num_batched_tokens=40)
     assert_equal_but_at_near_ties(
         hf, prompts, generate(llm, prompts), "float16-KV output", "the rounded HF's"
     )

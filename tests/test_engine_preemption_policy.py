@@ -6,9 +6,8 @@ from pagefleet.worker.preemption import VictimCandidate, choose_mode, choose_vic
 
 
 def cand(request_id: str, priority: int, admitted_seq: int, num_blocks: int = 2) -> VictimCandidate:
-    return VictimCandidate(
-        request_id, priority, arrival_time=0.0, admitted_seq=admitted_seq, num_blocks=num_blocks
-    )
+    return VictimCandidate(request_id, priority, arrival_time=0.0, admitted_seq=admitted_seq,
+                           num_blocks=num_blocks)
 
 
 def test_lowest_priority_goes_first_even_if_admitted_earliest() -> None:
@@ -22,11 +21,7 @@ def test_among_equal_priorities_the_most_recently_admitted_goes_first() -> None:
 
 
 def test_victims_are_added_until_their_blocks_cover_the_need() -> None:
-    cands = [
-        cand("a", 0, 1, num_blocks=4),
-        cand("b", 0, 2, num_blocks=1),
-        cand("c", 0, 3, num_blocks=1),
-    ]
+    cands = [cand("a", 0, 1, num_blocks=4), cand("b", 0, 2, num_blocks=1), cand("c", 0, 3, num_blocks=1)]
     assert choose_victims(cands, 2) == ["c", "b"]
     assert choose_victims(cands, 3) == ["c", "b", "a"]
 

@@ -263,9 +263,7 @@ def test_evict_cached_rejects_a_negative_count(engine: LLMEngine) -> None:
         engine.evict_cached(-1)
 
 
-def run_low_then_high(
-    llm: LLM, priority: int, max_num_seqs_full: bool = False
-) -> dict[str, list[int]]:
+def run_low_then_high(llm: LLM, priority: int, max_num_seqs_full: bool = False) -> dict[str, list[int]]:
     """A 40-token low-priority request fills the pool (or the seq slots); then `high` arrives.
 
     Returns each request's tokens, keyed in finishing order.
@@ -274,10 +272,7 @@ def run_low_then_high(
     engine.add_request("low", list(range(3, 43)), SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()  # low holds 3 of the 4 blocks (one slot of one, with max_num_seqs=1)
     engine.add_request(
-        "high",
-        list(range(50, 70)),
-        SamplingParams(max_tokens=8, ignore_eos=True),
-        priority=priority,
+        "high", list(range(50, 70)), SamplingParams(max_tokens=8, ignore_eos=True), priority=priority
     )
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -324,14 +319,10 @@ def test_no_preemption_when_the_lower_ones_cannot_make_room() -> None:
     # priority-9 request keeps the 4th: preempting low would seat nobody.
     llm = LLM(model="tiny", block_size=16, num_kv_blocks=5, enable_prefix_caching=False)
     engine = llm.engine
-    engine.add_request(
-        "top", list(range(3, 10)), SamplingParams(max_tokens=8, ignore_eos=True), priority=9
-    )
+    engine.add_request("top", list(range(3, 10)), SamplingParams(max_tokens=8, ignore_eos=True), priority=9)
     engine.add_request("low", list(range(10, 50)), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()  # top 1 block, low 3 blocks, 1 free
-    engine.add_request(
-        "big", list(range(3, 83)), SamplingParams(max_tokens=1), priority=5
-    )  # 5 blocks
+    engine.add_request("big", list(range(3, 83)), SamplingParams(max_tokens=1), priority=5)  # 5 blocks
     engine.step()
     assert llm.stats()["preemptions_total"] == 0
     while engine.has_unfinished_requests():

@@ -33,16 +33,9 @@ def test_random_traffic_keeps_integrity_and_greedy_answers(
     solo_engine: LLMEngine, mode: str, seed: int
 ) -> None:
     rng = random.Random(seed)
-    llm = LLM(
-        model="tiny",
-        dtype="float64",
-        block_size=8,
-        num_kv_blocks=14,
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-        preemption_mode=mode,
-        swap_space_bytes=1 << 20,
-    )
+    llm = LLM(model="tiny", dtype="float64", block_size=8, num_kv_blocks=14,
+              max_num_seqs=4, max_num_batched_tokens=24, preemption_mode=mode,
+              swap_space_bytes=1 << 20)
     engine = llm.engine
     shared = [rng.randrange(3, 1024) for _ in range(20)]
     requests: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -52,9 +45,8 @@ def test_random_traffic_keeps_integrity_and_greedy_answers(
         if len(requests) < 14 and rng.random() < 0.4:
             own = [rng.randrange(3, 1024) for _ in range(rng.randrange(1, 30))]
             prompt = (shared if rng.random() < 0.5 else []) + own
-            params = SamplingParams(
-                max_tokens=rng.randrange(1, 20), n=rng.choice([1, 1, 2]), ignore_eos=True
-            )
+            params = SamplingParams(max_tokens=rng.randrange(1, 20), n=rng.choice([1, 1, 2]),
+                                    ignore_eos=True)
             request_id = f"r{len(requests)}"
             requests[request_id] = (prompt, params)
             engine.add_request(request_id, prompt, params, priority=rng.choice([0, 0, 1]))

@@ -206,10 +206,7 @@ def test_a_tenant_s_higher_priority_requests_go_first_fifo_among_equals() -> Non
     for request_id, priority in [("low1", 0), ("high1", 5), ("low2", 0), ("high2", 5)]:
         queue.push("p", "a", request_id, request_id, priority)
     assert [queue.pop("p") for _ in range(4)] == [
-        ("high1", "high1"),
-        ("high2", "high2"),
-        ("low1", "low1"),
-        ("low2", "low2"),
+        ("high1", "high1"), ("high2", "high2"), ("low1", "low1"), ("low2", "low2")
     ]
 
 

@@ -15,11 +15,9 @@ def test_generate_prints_the_greedy_completion(capsys: pytest.CaptureFixture[str
     )
     assert code == 0
     printed = capsys.readouterr().out
-    expected = (
-        LLM(model="tiny", num_kv_blocks=16)
-        .generate("Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True))[0]
-        .text
-    )
+    expected = LLM(model="tiny", num_kv_blocks=16).generate(
+        "Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True)
+    )[0].text
     assert printed == expected + "\n"
     assert expected.strip()
 
@@ -29,11 +27,9 @@ def test_generate_with_a_float16_kv_cache_prints_the_same_as_llm(
 ) -> None:
     args = ["generate", "Once upon a time", "--model", "tiny", "--max-tokens", "12", "--ignore-eos"]
     assert main([*args, "--kv-cache-dtype", "float16"]) == 0
-    expected = (
-        LLM(model="tiny", num_kv_blocks=16, kv_cache_dtype="float16")
-        .generate("Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True))[0]
-        .text
-    )
+    expected = LLM(model="tiny", num_kv_blocks=16, kv_cache_dtype="float16").generate(
+        "Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True)
+    )[0].text
     assert capsys.readouterr().out == expected + "\n"
 
 
@@ -42,9 +38,7 @@ def test_bad_sampling_value_is_a_user_error(capsys: pytest.CaptureFixture[str]) 
     assert "temperature must be >= 0" in capsys.readouterr().err
 
 
-def test_missing_model_directory_is_a_user_error(
-    capsys: pytest.CaptureFixture[str], tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+def test_missing_model_directory_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert main(["generate", "hi", "--model", str(tmp_path / "nope")]) == 2
     assert "bad model" in capsys.readouterr().err
 

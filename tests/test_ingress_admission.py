@@ -48,32 +48,18 @@ def report(
     global _seq
     _seq += 1
     load = LoadReport(
-        "w0",
-        "a",
-        _seq,
-        0.0,
-        10,
-        free,
-        10 - free,
-        0,
-        0,
+        "w0", "a", _seq, 0.0, 10, free, 10 - free, 0, 0,
         committed_blocks=committed,
         priority_claims=dict(priority_claims or {}),
         origin_claims={ingress.replica_id: mine} if mine else {},
     )
-    ingress.fleet.apply(
-        ViewUpdate(1, _seq, False, (WorkerDelta(WorkerInfo("w0", "a", 10), True, load),))
-    )
+    ingress.fleet.apply(ViewUpdate(1, _seq, False, (WorkerDelta(WorkerInfo("w0", "a", 10), True, load),)))
 
 
 def request(request_id: str, priority: int = 0, tenant: str = "default") -> GenerationRequest:
     return GenerationRequest.create(
-        request_id=request_id,
-        prompt=[1, 2, 3],
-        sampling={"max_tokens": 64},
-        pool="a",
-        priority=priority,
-        tenant=tenant,
+        request_id=request_id, prompt=[1, 2, 3], sampling={"max_tokens": 64},
+        pool="a", priority=priority, tenant=tenant,
     )
 
 
@@ -112,9 +98,7 @@ def test_a_fresh_report_of_our_own_requests_is_not_counted_twice() -> None:
         # The worker now reports both: 4 blocks held, 6 still to come, 10 claimed by us.
         report(ingress, free=6, committed=6, priority_claims={0: (2, 10)}, mine=2 * CLAIM)
         assert not waiter.future.done()
-        ingress.admission.release(
-            first, request("r0").key
-        )  # r0 finished: its claim is ours to drop
+        ingress.admission.release(first, request("r0").key)  # r0 finished: its claim is ours to drop
         assert waiter.future.result() is first
 
     asyncio.run(scenario())

@@ -54,9 +54,7 @@ def _context(streams: list[float], current: int) -> AutoscalingContext:
     ("streams", "want"),
     [([0.0], 1), ([64.0], 1), ([64.0, 1.0], 2), ([100.0, 100.0, 100.0], 5)],
 )
-def test_the_policy_asks_for_one_replica_per_target_streams(
-    streams: list[float], want: int
-) -> None:
+def test_the_policy_asks_for_one_replica_per_target_streams(streams: list[float], want: int) -> None:
     # Serve's own request count reads 0 here: the streams are not Serve requests.
     assert StreamsPolicy(target_streams=64)(_context(streams, len(streams)))[0] == want
 
@@ -67,12 +65,8 @@ def test_a_fixed_count_or_autoscaling_and_the_limits_named() -> None:
     auto = ingress_replica_options(1, 4, 64, 10.0, 300.0, 30.0)["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"]) == (1, 4)
     assert auto["policy"]["policy_kwargs"] == {"target_streams": 64}
-    with pytest.raises(
-        ConfigError, match=r"ingress_max_replicas: must be >= ingress_replicas \(2\), got 1"
-    ):
-        ClusterConfig.from_dict(
-            {"pools": [{"name": "a"}], "server": {"ingress_replicas": 2, "ingress_max_replicas": 1}}
-        )
+    with pytest.raises(ConfigError, match=r"ingress_max_replicas: must be >= ingress_replicas \(2\), got 1"):
+        ClusterConfig.from_dict({"pools": [{"name": "a"}], "server": {"ingress_replicas": 2, "ingress_max_replicas": 1}})
 
 
 # ----- on a real local Ray ---------------------------------------------------------
@@ -105,14 +99,12 @@ def _running_replicas() -> int:
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_held_streams_scale_the_ingress_out_and_idle_scales_it_back(
-    cluster: RunningCluster,
-) -> None:
+def test_held_streams_scale_the_ingress_out_and_idle_scales_it_back(cluster: RunningCluster) -> None:
     offline = offline_tiny()
     sampling = {"max_tokens": MAX_MODEL_LEN - 40, "ignore_eos": True}
     prompts = [f"stream {i} holds the ingress open" for i in range(4)]
     want = [offline.generate(p, SamplingParams(**sampling))[0].token_ids for p in prompts]
-    ((worker_id, handle),) = cluster.workers["default"]
+    (worker_id, handle), = cluster.workers["default"]
     pid = int(ray.get(handle.info.remote(), timeout=30)["pid"])
     assert _running_replicas() == 1
     channel = grpc.insecure_channel(cluster.grpc_target)

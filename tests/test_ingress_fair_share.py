@@ -49,9 +49,7 @@ def _flood(ingress: Ingress, tenant: str, count: int) -> tuple[list[object], lis
     refused: list[IngressError] = []
     for i in range(count):
         try:
-            admitted.append(
-                ingress.admission.admit(pool, _request(tenant, f"{tenant}{i}"), [1, 2, 3])
-            )
+            admitted.append(ingress.admission.admit(pool, _request(tenant, f"{tenant}{i}"), [1, 2, 3]))
         except IngressError as exc:
             refused.append(exc)
     return admitted, refused
@@ -64,9 +62,8 @@ def test_a_flood_is_refused_past_its_share_of_the_queue_naming_it() -> None:
         # 2 running + a's half of a queue of 4.
         assert len(admitted) == 4 and len(refused) == 6
         assert all(e.code is ErrorCode.RESOURCE_EXHAUSTED for e in refused)
-        assert (
-            "tenant 'a' has 2 requests waiting in pool 'shared', its share of wait_queue_size 4"
-            in (refused[0].message)
+        assert "tenant 'a' has 2 requests waiting in pool 'shared', its share of wait_queue_size 4" in (
+            refused[0].message
         )
 
     asyncio.run(scenario())

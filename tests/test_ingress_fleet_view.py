@@ -153,9 +153,7 @@ def test_a_removed_worker_loses_its_slot_router_entry_and_metric_series() -> Non
 
         assert series() == {"w0", "w1"}
         w1 = ingress.slots["w1"]
-        _apply(
-            ingress, 3, WorkerDelta(WorkerInfo("w1", "a", 64), False, None, reset=True, gone=True)
-        )
+        _apply(ingress, 3, WorkerDelta(WorkerInfo("w1", "a", 64), False, None, reset=True, gone=True))
         assert [s.worker_id for s in ingress.slots.all()] == ["w0"]
         assert ingress.router.workers("a") == ["w0"]
         assert w1.left.is_set()  # a stream still on it (killed at a drain timeout) moves
@@ -202,9 +200,7 @@ def test_a_restarted_shard_rebuilds_only_its_own_workers_index() -> None:
     assert view.cursor(1) == (21, 1) and view.cursor(0) == (10, 1)
 
 
-def test_a_restarted_shard_that_does_not_know_a_worker_yet_clears_it_but_keeps_it_routable() -> (
-    None
-):
+def test_a_restarted_shard_that_does_not_know_a_worker_yet_clears_it_but_keeps_it_routable() -> None:
     view, hashes = _two_shard_view()
     view.apply(ViewUpdate(21, 0, True, ()), shard=1)  # restarted, nobody registered yet
     assert view.router.matched_blocks("b0", hashes) == 0

@@ -26,26 +26,11 @@ TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 DTYPES = [torch.float32, torch.float64]
 
 
-def batch(
-    q_lens: list[int],
-    ctx_lens: list[int],
-    dtype: torch.dtype = torch.float64,
-    *,
-    seed: int = 0,
-    shared_prefix_blocks: int = 0,
-    block_size: int = 8,
-) -> PagedBatch:
-    return make_paged_batch(
-        q_lens,
-        ctx_lens,
-        num_q_heads=6,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=block_size,
-        dtype=dtype,
-        shared_prefix_blocks=shared_prefix_blocks,
-        seed=seed,
-    )
+def batch(q_lens: list[int], ctx_lens: list[int], dtype: torch.dtype = torch.float64,
+          *, seed: int = 0, shared_prefix_blocks: int = 0, block_size: int = 8) -> PagedBatch:
+    return make_paged_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                            block_size=block_size, dtype=dtype,
+                            shared_prefix_blocks=shared_prefix_blocks, seed=seed)
 
 
 def consecutive(b: PagedBatch) -> PagedBatch:
@@ -58,9 +43,8 @@ def consecutive(b: PagedBatch) -> PagedBatch:
         tables[i, :n] = torch.arange(len(order), len(order) + n, dtype=tables.dtype)
         order += b.block_tables[i, :n].tolist()
     index = torch.tensor(order)
-    return dataclasses.replace(
-        b, k_cache=b.k_cache[index], v_cache=b.v_cache[index], block_tables=tables
-    )
+    return dataclasses.replace(b, k_cache=b.k_cache[index], v_cache=b.v_cache[index],
+                               block_tables=tables)
 
 
 def assert_matches_oracle(b: PagedBatch, sliding_window: int | None = None) -> None:
@@ -70,19 +54,13 @@ def assert_matches_oracle(b: PagedBatch, sliding_window: int | None = None) -> N
         os.environ[cpu_decode.SWITCH_ENV] = switch
         try:
             out = torch.full_like(b.query, float("nan"))
-            paged_attention_cpu(
-                *b.kernel_args(), b.query.shape[-1] ** -0.5, sliding_window=sliding_window, out=out
-            )
+            paged_attention_cpu(*b.kernel_args(), b.query.shape[-1] ** -0.5,
+                                sliding_window=sliding_window, out=out)
         finally:
             del os.environ[cpu_decode.SWITCH_ENV]
         assert not torch.isnan(out).any(), f"decode kernel {switch}: an element never written"
-        torch.testing.assert_close(
-            out.to(torch.float64),
-            expected,
-            rtol=tol,
-            atol=tol,
-            msg=lambda m, switch=switch: f"decode kernel {switch}: {m}",
-        )
+        torch.testing.assert_close(out.to(torch.float64), expected, rtol=tol, atol=tol,
+                                   msg=lambda m, switch=switch: f"decode kernel {switch}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,9 +92,8 @@ def test_context_lengths_at_block_boundaries_match_oracle(delta: int) -> None:
 def test_bfloat16_is_close_to_oracle() -> None:
     b = batch([1, 7, 1], [12, 20, 33], torch.bfloat16, seed=9)
     out = paged_attention_cpu(*b.kernel_args(), 32**-0.5)
-    torch.testing.assert_close(
-        out.to(torch.float64), naive_attention(b, 32**-0.5), rtol=2e-2, atol=2e-2
-    )
+    torch.testing.assert_close(out.to(torch.float64), naive_attention(b, 32**-0.5),
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_a_changed_block_table_is_planned_again() -> None:
@@ -142,20 +119,11 @@ def test_dispatcher_runs_the_cpu_path_for_cpu_tensors(monkeypatch: pytest.Monkey
 NARROW = [torch.float16, torch.bfloat16]
 
 
-def narrow_batch(
-    q_lens: list[int], ctx_lens: list[int], kv_dtype: torch.dtype, *, seed: int, block_size: int = 8
-) -> PagedBatch:
-    return make_paged_batch(
-        q_lens,
-        ctx_lens,
-        num_q_heads=6,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=block_size,
-        dtype=torch.float32,
-        kv_dtype=kv_dtype,
-        seed=seed,
-    )
+def narrow_batch(q_lens: list[int], ctx_lens: list[int], kv_dtype: torch.dtype, *,
+                 seed: int, block_size: int = 8) -> PagedBatch:
+    return make_paged_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                            block_size=block_size, dtype=torch.float32, kv_dtype=kv_dtype,
+                            seed=seed)
 
 
 def widened(b: PagedBatch) -> PagedBatch:
@@ -185,13 +153,8 @@ def test_narrow_cache_differs_from_the_float32_path_only_by_summation_order(
     got = paged_attention_cpu(*b.kernel_args(), 0.125)
     reference = paged_attention_reference(*wide.kernel_args(), 0.125)
     per_sequence = paged_attention_cpu(*wide.kernel_args(), 0.125)
-    prefill = torch.cat(
-        [
-            torch.arange(s, s + n)
-            for s, n in zip(b.query_start_loc[:-1].tolist(), q_lens, strict=True)
-            if n > 1
-        ]
-    )
+    prefill = torch.cat([torch.arange(s, s + n) for s, n in
+                         zip(b.query_start_loc[:-1].tolist(), q_lens, strict=True) if n > 1])
     # Prefill chunks run the same per-sequence SDPA on the same float32 values: identical.
     assert torch.equal(got[prefill], per_sequence[prefill])
     # Decode tokens run the C kernel: float32 rounding of the same sums (a few ulp
@@ -218,16 +181,9 @@ def test_every_head_shape_matches_oracle(
 ) -> None:
     # 64 and 128 run the kernel's specialised bodies, 24 its general one; 20 is no
     # multiple of its 8 lanes, so those decode tokens take SDPA.
-    b = make_paged_batch(
-        [1, 1, 6, 1, 1],
-        [37, 16, 6, 1, 90],
-        num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=16,
-        dtype=dtype,
-        seed=head_dim,
-    )
+    b = make_paged_batch([1, 1, 6, 1, 1], [37, 16, 6, 1, 90], num_q_heads=q_heads,
+                         num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype,
+                         seed=head_dim)
     assert cpu_decode.shape_fits(kv_heads, head_dim) == (head_dim % 8 == 0)
     assert_matches_oracle(b)
     assert_matches_oracle(b, sliding_window=7)
@@ -235,12 +191,8 @@ def test_every_head_shape_matches_oracle(
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 def test_the_decode_kernel_builds_here_and_serves_every_dtype_pair_it_names() -> None:
-    for q_dtype, kv_dtype in [
-        (torch.float32, torch.float32),
-        (torch.float32, torch.float16),
-        (torch.float32, torch.bfloat16),
-        (torch.float64, torch.float64),
-    ]:
+    for q_dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                              (torch.float32, torch.bfloat16), (torch.float64, torch.float64)]:
         assert cpu_decode.decode_kernel(q_dtype, kv_dtype) is not None, (q_dtype, kv_dtype)
     # Half-precision queries keep the SDPA path (it computes in float32 there).
     assert cpu_decode.decode_kernel(torch.bfloat16, torch.bfloat16) is None

@@ -124,9 +124,7 @@ def test_output_is_written_into_given_tensor() -> None:
     assert result.data_ptr() == out.data_ptr()
 
 
-def test_dispatcher_runs_the_reference_when_forced_to_torch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_dispatcher_runs_the_reference_when_forced_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEFLEET_ATTENTION", "torch")
     b = batch([3, 1], [11, 6], torch.float64, seed=11)
     out = paged_attention(*b.kernel_args(), 0.125)

@@ -36,21 +36,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine(model_dir: Path, num_kv_blocks: int = 64) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(model_dir),
-            dtype="float64",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=num_kv_blocks,
+            model=str(model_dir), dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks
         )
     )
 
 
-def _run(
-    engine: LLMEngine,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-    salt: str | None = None,
-) -> tuple[list[int], int]:
+def _run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
+         salt: str | None = None) -> tuple[list[int], int]:
     """(generated tokens, cached prompt tokens) of one request run to its end."""
     engine.add_request(request_id, prompt, params, salt=salt)
     tokens: list[int] = []

@@ -50,22 +50,9 @@ def test_an_invalid_prompt_fails_the_call_and_leaves_the_pool_clean(llm: LLM) ->
 def test_stats_report_pool_counters_queues_and_preemptions(llm: LLM) -> None:
     llm.generate("Hello there", SamplingParams(max_tokens=20))
     stats = llm.stats()
-    for key in (
-        "total",
-        "free",
-        "live",
-        "cached",
-        "peak_live",
-        "prefix_query_tokens",
-        "prefix_hit_tokens",
-        "evictions",
-        "num_running",
-        "num_waiting",
-        "preemptions_recompute",
-        "preemptions_swap",
-        "swaps_out",
-        "swaps_in",
-    ):
+    for key in ("total", "free", "live", "cached", "peak_live", "prefix_query_tokens",
+                "prefix_hit_tokens", "evictions", "num_running", "num_waiting",
+                "preemptions_recompute", "preemptions_swap", "swaps_out", "swaps_in"):
         assert key in stats
     assert stats["total"] == 64 and stats["peak_live"] >= 2
     assert stats["free"] + stats["cached"] == stats["total"]

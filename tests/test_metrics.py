@@ -15,9 +15,9 @@ def test_wait_queue_gauge_reads_the_queue_at_each_scrape() -> None:
     assert 'ingress_waiting_requests{pool="default"} 3.0' in body
     assert 'ingress_waiting_requests{pool="other"} 0.0' in body
     sizes["default"] = 1
-    assert (
-        'ingress_waiting_requests{pool="default"} 1.0' in generate_latest(metrics.registry).decode()
-    )
+    assert 'ingress_waiting_requests{pool="default"} 1.0' in generate_latest(
+        metrics.registry
+    ).decode()
 
 
 def test_report_counters_exist_at_zero_before_their_first_event() -> None:
@@ -35,16 +35,8 @@ def test_migration_counters_follow_the_reports_through_the_wire() -> None:
     from pagefleet.worker.events import LoadReport
 
     metrics = IngressMetrics()
-    stats = {
-        "total": 8,
-        "free": 8,
-        "live": 0,
-        "cached": 0,
-        "peak_live": 0,
-        "kv_blocks_exported": 5,
-        "kv_blocks_imported": 3,
-        "kv_import_failures": 1,
-    }
+    stats = {"total": 8, "free": 8, "live": 0, "cached": 0, "peak_live": 0,
+             "kv_blocks_exported": 5, "kv_blocks_imported": 3, "kv_import_failures": 1}
     report = LoadReport.decode(LoadReport.from_engine_stats("w0", "default", 1, stats).encode())
     metrics.observe_report(report)
     metrics.migrations.labels(pool="default", mode="transfer").inc()

@@ -79,9 +79,7 @@ def test_tier_capacity_is_whole_blocks_of_the_byte_budget() -> None:
 def test_tier_smaller_than_one_block_is_refused_with_the_block_size() -> None:
     kv = random_cache()
     per_block = kv.transfer.bytes_per_block
-    with pytest.raises(
-        ValueError, match=f"holds no block: one block of 4 tokens needs {per_block}"
-    ):
+    with pytest.raises(ValueError, match=f"holds no block: one block of 4 tokens needs {per_block}"):
         HostOffloadTier(kv.transfer, per_block - 1, BS)
 
 

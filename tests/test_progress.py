@@ -54,9 +54,7 @@ def test_phases_draw_a_bar_naming_each_step_on_a_terminal(monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("on_terminal", [False, True])
-def test_no_bar_when_redirected_or_turned_off(
-    monkeypatch: pytest.MonkeyPatch, on_terminal: bool
-) -> None:
+def test_no_bar_when_redirected_or_turned_off(monkeypatch: pytest.MonkeyPatch, on_terminal: bool) -> None:
     if on_terminal:  # a terminal, but the CLI found stderr redirected earlier and set TQDM_DISABLE
         monkeypatch.setenv("TQDM_DISABLE", "1")
         master, slave = _terminal()

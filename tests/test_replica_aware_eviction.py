@@ -70,9 +70,7 @@ def test_an_ack_names_duplicates_only_when_the_worker_runs_low_and_they_changed(
     holder = "w0" if _keeper(["w0", "w1"]) == "w1" else "w1"  # the one that drops them first
     keeper = "w1" if holder == "w0" else "w0"
 
-    def push(
-        wid: str, seq: int, free: int, events: tuple[tuple[str, bytes], ...] = ()
-    ) -> PushResult:
+    def push(wid: str, seq: int, free: int, events: tuple[tuple[str, bytes], ...] = ()) -> PushResult:
         return state.push(_report(wid, seq, free), KVEventBatch(wid, seq, events, incarnation="p"))
 
     assert push(holder, 2, 50).duplicated is None  # half free: no news

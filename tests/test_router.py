@@ -280,9 +280,7 @@ def test_clearing_some_workers_index_keeps_the_others_confirmed_and_speculative_
     router.add_worker("w1", "other", block_size=BS)
     hashes = router.block_hashes("chat", prompt(SYSTEM_A))
     store(router, "w0", hashes[:8])
-    router.apply_delta(
-        WorkerDelta(WorkerInfo("w1", "other", 1000, BS), True, None, tuple(hashes[:4]))
-    )
+    router.apply_delta(WorkerDelta(WorkerInfo("w1", "other", 1000, BS), True, None, tuple(hashes[:4])))
     router.route_hashes("other", hashes)  # w1 now holds all 10 speculatively
     router.clear_index(["w0", "unknown"])
     assert router.matched_blocks("w0", hashes) == 0
@@ -375,12 +373,8 @@ def test_index_matches_a_naive_per_worker_set(ops: list[tuple[int, bool, int]]) 
 
 def test_report_from_a_new_incarnation_replaces_the_old_one() -> None:
     router, _ = make_router(2, policy="least_loaded")
-    router.apply_load_report(
-        LoadReport("w0", "chat", 40, 0.0, 1000, 500, 500, 0, 500, incarnation="a")
-    )
-    router.apply_load_report(
-        LoadReport("w1", "chat", 1, 0.0, 1000, 900, 100, 0, 100, incarnation="x")
-    )
+    router.apply_load_report(LoadReport("w0", "chat", 40, 0.0, 1000, 500, 500, 0, 500, incarnation="a"))
+    router.apply_load_report(LoadReport("w1", "chat", 1, 0.0, 1000, 900, 100, 0, 100, incarnation="x"))
     router.apply_load_report(LoadReport("w0", "chat", 1, 0.0, 1000, 1000, 0, 0, 0, incarnation="b"))
     assert router.route("chat", prompt(SYSTEM_A)).worker_id == "w0"
 

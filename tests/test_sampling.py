@@ -54,12 +54,7 @@ def test_a_non_finite_row_gets_none_and_the_other_rows_their_tokens() -> None:
     logits = torch.tensor(
         [[0.0, 3.0, 1.0], [float("nan"), 0.0, 0.0], [0.0, float("inf"), 0.0], [4.0, 0.0, 0.0]]
     )
-    params = [
-        SamplingParams(),
-        SamplingParams(),
-        SamplingParams(temperature=0.7),
-        SamplingParams(temperature=0.5, top_k=1),
-    ]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.5, top_k=1)]
     gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     assert sample(logits, params, gens) == [1, None, None, 0]
 

@@ -38,13 +38,7 @@ NAMESPACE = "pagefleet-test-scheduler"
 def ray_session() -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            namespace=NAMESPACE,
-            log_to_driver=False,
-        )
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
@@ -123,9 +117,7 @@ def test_report_below_the_low_watermark_is_answered_with_blocks_to_evict(schedul
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     # 64 blocks, 1 free, 23 cached: under 5% free, so evict up to 10% (7 blocks) free.
     low = LoadReport("w0", "chat", 1, 0.0, 64, 1, 40, 23, 40).encode()
-    assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(
-        generation, True, 6
-    )
+    assert ray.get(scheduler.push.remote("w0", low, no_events("w0"))) == ReportAck(generation, True, 6)
 
 
 def test_ack_names_the_hashes_another_worker_keeps_when_the_worker_runs_low(scheduler: Any) -> None:
@@ -149,17 +141,7 @@ def test_push_of_a_worker_short_of_blocks_is_answered_with_a_migration_order(
         ray.get(scheduler.register_worker.remote(WorkerInfo(wid, "chat", 64, block_size=4)))
     ray.get(scheduler.push.remote("w1", report("w1"), no_events("w1")))  # 60 free
     short = LoadReport(
-        "w0",
-        "chat",
-        1,
-        0.0,
-        64,
-        0,
-        64,
-        0,
-        64,
-        num_running=2,
-        blocks_short=3,
+        "w0", "chat", 1, 0.0, 64, 0, 64, 0, 64, num_running=2, blocks_short=3,
         requests=(RequestLoad("a@r", 0, 1, 40), RequestLoad("b@r", 0, 2, 40)),
     ).encode()
     ack = ray.get(scheduler.push.remote("w0", short, no_events("w0")))
@@ -244,9 +226,7 @@ def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler:
 
     def request(request_id: str) -> GenerationRequest:
         sampling = {"max_tokens": 100, "ignore_eos": True}
-        return GenerationRequest.create(
-            request_id=request_id, prompt=[1, 2, 3], sampling=sampling, pool="a"
-        )
+        return GenerationRequest.create(request_id=request_id, prompt=[1, 2, 3], sampling=sampling, pool="a")
 
     async def scenario() -> None:
         holder = Ingress(config, {"a": [("w0", worker)]}, scheduler=scheduler)

@@ -31,17 +31,8 @@ def report(
     origin_claims: dict[str, int] | None = None,
 ) -> LoadReport:
     return LoadReport(
-        worker_id,
-        "chat",
-        1,
-        0.0,
-        total,
-        free,
-        total - free - cached,
-        cached,
-        0,
-        committed_blocks=committed,
-        origin_claims=origin_claims or {},
+        worker_id, "chat", 1, 0.0, total, free, total - free - cached, cached, 0,
+        committed_blocks=committed, origin_claims=origin_claims or {},
     )
 
 
@@ -115,28 +106,14 @@ POLICY = MigrationPolicy(margin_blocks=2, cooldown_s=10.0)
 
 def short_worker(*requests: RequestLoad, short: int = 3) -> LoadReport:
     return LoadReport(
-        "w0",
-        "chat",
-        1,
-        0.0,
-        100,
-        0,
-        100,
-        0,
-        100,
-        num_running=len(requests),
-        blocks_short=short,
-        requests=requests,
+        "w0", "chat", 1, 0.0, 100, 0, 100, 0, 100, num_running=len(requests),
+        blocks_short=short, requests=requests,
     )
 
 
 def idle_worker(
-    worker_id: str = "w1",
-    *,
-    free: int = 100,
-    pool: str = "chat",
-    recompute_s_per_token: float = 0.0,
-    kv_import_s_per_block: float = 0.0,
+    worker_id: str = "w1", *, free: int = 100, pool: str = "chat",
+    recompute_s_per_token: float = 0.0, kv_import_s_per_block: float = 0.0,
 ) -> LoadReport:
     return LoadReport(worker_id, pool, 1, 0.0, 100, free, 100 - free, 0, 0,
                       recompute_s_per_token=recompute_s_per_token,
@@ -211,9 +188,7 @@ def test_no_migration_without_a_target_with_room_for_the_request_and_the_margin(
 def test_blocks_promised_to_a_target_count_against_its_room() -> None:
     source = short_worker(NEW)
     assert choose_migration(source, [idle_worker(free=20)], BS, POLICY, reserved={"w1": 9}) is None
-    assert (
-        choose_migration(source, [idle_worker(free=20)], BS, POLICY, reserved={"w1": 8}) is not None
-    )
+    assert choose_migration(source, [idle_worker(free=20)], BS, POLICY, reserved={"w1": 8}) is not None
 
 
 def test_a_smaller_request_migrates_when_the_first_victim_fits_nowhere() -> None:
@@ -240,10 +215,9 @@ def test_a_request_in_its_cooldown_does_not_migrate_again() -> None:
     source = short_worker(OLD, NEW)
     move = choose_migration(source, [idle_worker()], BS, POLICY, recently_migrated={"new"})
     assert move is not None and move.request_id == "old"
-    assert (
-        choose_migration(source, [idle_worker()], BS, POLICY, recently_migrated={"new", "old"})
-        is None
-    )
+    assert choose_migration(
+        source, [idle_worker()], BS, POLICY, recently_migrated={"new", "old"}
+    ) is None
 
 
 def test_migration_policy_refuses_negative_settings() -> None:

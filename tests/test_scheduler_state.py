@@ -160,9 +160,7 @@ def test_blocks_to_evict_is_zero_above_the_low_watermark_or_without_watermarks(
 H = [bytes([i]) * 16 for i in range(8)]
 
 
-def kv(
-    worker_id: str, seq: int, *events: tuple[str, bytes], reset: bool = False, inc: str = "p1"
-) -> KVEventBatch:
+def kv(worker_id: str, seq: int, *events: tuple[str, bytes], reset: bool = False, inc: str = "p1") -> KVEventBatch:
     return KVEventBatch(worker_id, seq, events, reset=reset, incarnation=inc)
 
 
@@ -250,9 +248,7 @@ def test_tick_publishes_a_liveness_change_caused_by_time(
     update = state.updates_since(state.generation, cursor)
     assert not update.snapshot
     assert [(d.info.worker_id, d.alive) for d in update.deltas] == [
-        ("w0", False),
-        ("w1", False),
-        ("b0", False),
+        ("w0", False), ("w1", False), ("b0", False)
     ]
     assert state.tick() == 0
 
@@ -302,9 +298,7 @@ def test_a_short_worker_is_told_to_migrate_once_and_the_request_cannot_bounce_ba
     clock: FakeClock,
 ) -> None:
     state = ClusterState(
-        report_timeout_s=3.0,
-        generation=7,
-        clock=clock,
+        report_timeout_s=3.0, generation=7, clock=clock,
         migration=MigrationPolicy(margin_blocks=0, cooldown_s=10.0, reserve_s=2.0),
     )
     state.register_worker(WorkerInfo("w0", "chat", 100, block_size=4))
@@ -343,9 +337,7 @@ def test_an_abort_note_settles_when_found_or_when_every_other_live_replica_passe
         state.note_replica(rid, state.generation, state.version)
     clock.now += 2.0  # "gone" is silent past report_timeout_s: not waited for
     note = state.publish_abort("3:ten:req", "origin")
-    assert [d.key for d in state.updates_since(state.generation, state.version - 1).deltas] == [
-        "3:ten:req"
-    ]
+    assert [d.key for d in state.updates_since(state.generation, state.version - 1).deltas] == ["3:ten:req"]
     assert state.abort_settled(note, "origin") is None
     state.note_replica("r1", state.generation, state.version)
     assert state.abort_settled(note, "origin") is None  # r2 has not passed it yet

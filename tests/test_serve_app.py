@@ -52,11 +52,7 @@ def test_builder_spreads_ingress_replicas_per_node_only_off_the_head_node() -> N
     from pagefleet.cluster.serve_app import build_application
 
     pools = {"pools": [{"name": "a"}], "server": {"ingress_replicas": 2}}
-    args = {
-        "config": pools,
-        "ingress_resource": "pagefleet_ingress",
-        "ingress_replicas_per_node": 1,
-    }
+    args = {"config": pools, "ingress_resource": "pagefleet_ingress", "ingress_replicas_per_node": 1}
     assert parse_args(args).ingress_replicas_per_node == 1
     ingress = build_application(args)._bound_deployment
     assert ingress._replica_config.max_replicas_per_node == 1
@@ -82,9 +78,7 @@ def test_user_config_sets_pool_sizes_and_names_a_bad_field() -> None:
         parse_user_config({"pool_workers": {"c": 1}}, config)
     with pytest.raises(ValueError, match=r"pool_workers\.a: must be an integer >= 1"):
         parse_user_config({"pool_workers": {"a": 0}}, config)
-    with pytest.raises(
-        ValueError, match=r"user_config\.workers: unknown field \(known: pool_workers\)"
-    ):
+    with pytest.raises(ValueError, match=r"user_config\.workers: unknown field \(known: pool_workers\)"):
         parse_user_config({"workers": 2}, config)
 
 
@@ -93,9 +87,7 @@ def _serve_config(tmp_path: Path, ports: dict[str, int]) -> Path:
     data: dict[str, Any] = yaml.safe_load(SERVE_YAML.read_text())
     args = data["applications"][0]["args"]
     args["metrics_port"] = ports["metrics"]
-    args["config"]["server"].update(
-        host="127.0.0.1", grpc_port=ports["grpc"], http_port=ports["http"]
-    )
+    args["config"]["server"].update(host="127.0.0.1", grpc_port=ports["grpc"], http_port=ports["http"])
     args["config"]["pools"][0].update(num_kv_blocks=64, max_model_len=128, device="cpu")
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -131,18 +123,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     )
     target = f"127.0.0.1:{ports['grpc']}"
     try:
-        wait_for(
-            lambda: proc.poll() is not None or _serving(target), 300, "serve run to serve", 1.0
-        )
+        wait_for(lambda: proc.poll() is not None or _serving(target), 300, "serve run to serve", 1.0)
         assert proc.poll() is None, Path(log.name).read_text()[-4000:]
         yield {
-            "target": target,
-            "http": f"http://127.0.0.1:{ports['http']}",
-            "log": Path(log.name),
-            "config": tmp / "serve.yaml",
-            "env": env,
-            "tmp": tmp,
-            "process": proc,
+            "target": target, "http": f"http://127.0.0.1:{ports['http']}", "log": Path(log.name),
+            "config": tmp / "serve.yaml", "env": env, "tmp": tmp, "process": proc,
         }
     finally:
         proc.send_signal(signal.SIGINT)
@@ -168,6 +153,7 @@ def test_serve_run_starts_every_worker_of_the_config(served: dict[str, Any]) -> 
     assert sorted(w.worker_id for w in pool.workers) == ["default-0", "default-1"]
     # A busy machine may answer a poll late for a moment; both must be in routing soon.
     wait_for(lambda: status(served["target"]).pools[0].live_workers == 2, 60, "both workers live")
+
 
 
 # ----- /dashboard, on the same cluster -----------------------------------------------------
@@ -204,9 +190,7 @@ def test_dashboard_state_has_every_worker_with_its_block_map_counts(served: dict
 
 
 @pytest.mark.cluster
-def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(
-    served: dict[str, Any],
-) -> None:
+def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(served: dict[str, Any]) -> None:
     url = served["http"] + "/dashboard"
     before = _routed(chromium_dom(url))
     grpc_workers = {w.worker_id for p in status(served["target"]).pools for w in p.workers}
@@ -214,10 +198,8 @@ def test_dashboard_in_chromium_names_every_worker_and_follows_traffic(
     for i in range(4):
         generate(served["target"], f"dashboard traffic {i}", max_tokens=2, temperature=0.0)
     wait_for(
-        lambda: (
-            sum(w.requests_routed for w in status(served["target"]).pools[0].workers)
-            >= sum(before.values()) + 4
-        ),
+        lambda: sum(w.requests_routed for w in status(served["target"]).pools[0].workers)
+        >= sum(before.values()) + 4,
         30,
         "the requests to be counted",
     )
@@ -257,9 +239,7 @@ def _redeploy_with_pool_size(served: dict[str, Any], workers: int) -> None:
     """The served config with `pagefleet-workers`' user_config naming the pool's size, deployed
     again onto the running cluster: a lightweight update (Serve calls `reconfigure`)."""
     data: dict[str, Any] = yaml.safe_load(served["config"].read_text())
-    (owner,) = [
-        d for d in data["applications"][0]["deployments"] if d["name"] == "pagefleet-workers"
-    ]
+    (owner,) = [d for d in data["applications"][0]["deployments"] if d["name"] == "pagefleet-workers"]
     owner["user_config"] = {"pool_workers": {"default": workers}}
     path = served["tmp"] / f"serve-{workers}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -273,29 +253,17 @@ def _redeploy_with_pool_size(served: dict[str, Any], workers: int) -> None:
 
 
 @pytest.mark.cluster
-def test_a_user_config_change_adds_and_drains_workers_without_a_restart(
-    served: dict[str, Any],
-) -> None:
+def test_a_user_config_change_adds_and_drains_workers_without_a_restart(served: dict[str, Any]) -> None:
     def workers() -> dict[str, bool]:
         return {w.worker_id: w.alive for w in status(served["target"]).pools[0].workers}
 
     before = generate(served["target"], "Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
     _redeploy_with_pool_size(served, 3)
-    wait_for(
-        lambda: workers() == {"default-0": True, "default-1": True, "default-2": True},
-        180,
-        "3 live",
-    )
-    routed = {
-        generate(served["target"], f"spread {i}", max_tokens=1)[-1].worker_id for i in range(16)
-    }
+    wait_for(lambda: workers() == {"default-0": True, "default-1": True, "default-2": True}, 180, "3 live")
+    routed = {generate(served["target"], f"spread {i}", max_tokens=1)[-1].worker_id for i in range(16)}
     assert "default-2" in routed
     _redeploy_with_pool_size(served, 2)
-    wait_for(
-        lambda: workers() == {"default-0": True, "default-1": True},
-        180,
-        "default-2 drained and gone",
-    )
+    wait_for(lambda: workers() == {"default-0": True, "default-1": True}, 180, "default-2 drained and gone")
     # The same ingress replica and workers serve on: the greedy answer is unchanged.
     again = generate(served["target"], "Hello", max_tokens=4, temperature=0.0, ignore_eos=True)
     assert [t for m in again for t in m.token_ids] == [t for m in before for t in m.token_ids]

@@ -118,9 +118,7 @@ def test_scheduler_steered_eviction_keeps_every_pool_whole(mode: str) -> None:
     assert (result.duplicate_evictions > 0) == (mode == "replica_aware")
 
 
-def test_several_seeds_print_medians_against_the_single_replica(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_several_seeds_print_medians_against_the_single_replica(capsys: pytest.CaptureFixture[str]) -> None:
     from pagefleet.cluster.simulator import main
 
     argv = ["--requests", "40", "--groups", "2", "--system-tokens", "64", "--workers", "2",

@@ -136,8 +136,7 @@ def test_an_engine_short_of_blocks_says_so_and_lists_its_requests_latest_admitte
 def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
     async def main() -> LoadReport:
         actor = WorkerActor(
-            "w0",
-            "default",
+            "w0", "default",
             EngineConfig(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=16),
             report_interval_s=0,
         )
@@ -164,9 +163,7 @@ def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
 def test_preemptions_that_keep_a_tenant_within_its_cap_do_not_mark_the_engine_short() -> None:
     engine = LLMEngine(
         EngineConfig(
-            model="tiny",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=64,
+            model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64,
             tenant_max_live_blocks=(("capped", 8),),
         )
     )
@@ -205,9 +202,7 @@ async def _handed_off(source: WorkerActor, n_tokens: int) -> list[TokenDelta]:
     return got + [d async for d in stream]
 
 
-async def _resume(
-    target: WorkerActor, got: list[TokenDelta], kv: KVHandoff | None
-) -> list[TokenDelta]:
+async def _resume(target: WorkerActor, got: list[TokenDelta], kv: KVHandoff | None) -> list[TokenDelta]:
     """What the ingress does on a hand-off: prompt + streamed tokens to the target."""
     streamed = [t for d in got for t in d.token_ids]
     params = SamplingParams(max_tokens=LONG.max_tokens - len(streamed), ignore_eos=True)
@@ -220,9 +215,8 @@ def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_
 ) -> None:
     want = offline.generate(CONTEXT, LONG)[0].token_ids
 
-    async def main() -> tuple[
-        list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int], LoadReport, LoadReport
-    ]:
+    async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int],
+                              LoadReport, LoadReport]:
         source, target = _actor(), _actor()
         before = LoadReport.decode(target._load_report())
         got = await _handed_off(source, 5)
@@ -242,11 +236,7 @@ def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_
     assert [t for d in got + rest for t in d.token_ids] == want
     assert rest[-1].finish_reason == "length"
     assert rest[0].cached_tokens == len(kv.block_hashes) * BLOCK_SIZE  # only the tail computed
-    assert (
-        source_stats["kv_blocks_exported"]
-        == target_stats["kv_blocks_imported"]
-        == len(kv.block_hashes)
-    )
+    assert source_stats["kv_blocks_exported"] == target_stats["kv_blocks_imported"] == len(kv.block_hashes)
     assert target_stats["kv_import_failures"] == 0
     for stats in (source_stats, target_stats):
         assert stats["free"] + stats["cached"] == stats["total"]
@@ -287,9 +277,7 @@ def test_an_abort_while_the_blocks_are_fetched_ends_the_request_before_it_runs(
 
     async def main() -> tuple[list[TokenDelta], dict[str, int]]:
         target = _actor()
-        kv = KVHandoff(
-            (b"\0" * 32,), ray.remote(slow).options(num_cpus=0).remote(), (1,), "float32"
-        )
+        kv = KVHandoff((b"\0" * 32,), ray.remote(slow).options(num_cpus=0).remote(), (1,), "float32")
         stream = target.generate(WorkerRequest("k@r1", tuple(CONTEXT), LONG, salt="t", kv=kv))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.5)  # it waits for the object

@@ -36,11 +36,7 @@ def empty_caches(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 
 def round_trip(
-    writer: object,
-    head_dim: int,
-    dtype: torch.dtype,
-    seed: int,
-    cache_dtype: torch.dtype | None = None,
+    writer: object, head_dim: int, dtype: torch.dtype, seed: int, cache_dtype: torch.dtype | None = None
 ) -> None:
     """Write random K/V of `dtype` into caches of `cache_dtype` (default the same): each
     written slot holds the K/V rounded to the cache dtype, every other slot is untouched."""
@@ -56,12 +52,8 @@ def round_trip(
     k_flat = k_cache.reshape(-1, KV_HEADS, head_dim).cpu()
     v_flat = v_cache.reshape(-1, KV_HEADS, head_dim).cpu()
     stored = k_cache.dtype
-    torch.testing.assert_close(
-        k_flat[slots[written]], key[written].to(stored).cpu(), rtol=0, atol=0
-    )
-    torch.testing.assert_close(
-        v_flat[slots[written]], value[written].to(stored).cpu(), rtol=0, atol=0
-    )
+    torch.testing.assert_close(k_flat[slots[written]], key[written].to(stored).cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(v_flat[slots[written]], value[written].to(stored).cpu(), rtol=0, atol=0)
     untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     untouched[slots[written]] = False
     assert torch.isnan(k_flat[untouched]).all(), "a skipped or unrelated slot was written"
