@@ -133,7 +133,12 @@ class WorkerActor:
                     yield TokenDelta(finish_reason="abort")
                     return
             stream = self._engine.generate(
-                request_id, prompt, request.params, priority=request.priority, salt=request.salt
+                request_id,
+                prompt,
+                request.params,
+                priority=request.priority,
+                salt=request.salt,
+                adapter=request.adapter,
             )
             async for out in stream:
                 self._progress += len(out.new_token_ids) or 1

@@ -127,6 +127,7 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         salt: str | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request until all its completions finish.
 
@@ -140,7 +141,9 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, params, priority, arrival_time, salt)
+                self.engine.add_request(
+                    request_id, prompt, params, priority, arrival_time, salt, adapter
+                )
             except Exception as exc:
                 _resolve(added, exc)
                 return
