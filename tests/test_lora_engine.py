@@ -203,3 +203,16 @@ def test_an_engine_without_adapters_refuses_any_and_wraps_nothing() -> None:
         plain.generate(["hello"], GREEDY, adapter="alpha")
     assert plain.engine.lora is None
     assert not any("LoRA" in type(m).__name__ for m in plain.engine.runner.model.modules())
+
+
+def test_kv_events_name_the_adapter_of_each_stored_block(llm: LLM) -> None:
+    engine = llm.engine
+    engine.drain_kv_events()
+    prompt = prompt_ids(33, seed=600)  # 2 full blocks
+    llm.generate([prompt], SamplingParams(max_tokens=1), adapter="beta")
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    events = engine.drain_kv_events()
+    adapters = engine.kv_event_adapters(events)
+    stored = [name for (kind, _), name in zip(events, adapters, strict=True) if kind == "stored"]
+    assert sorted(stored) == ["", "", "beta", "beta"]
+    assert engine.kv_event_adapters([("stored", b"x" * 32)]) == ()  # a base-model batch

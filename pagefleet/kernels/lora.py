@@ -108,10 +108,14 @@ def add_lora_reference(
 ) -> None:
     """The torch path of `add_lora`: two matmuls per segment, gathered and scattered."""
     whole = len(segments.slots) == 1 and segments.lens[0] == segments.num_tokens
+    host_scale = scale.tolist()  # one sync, then plain floats per segment
     for start, length, slot in zip(segments.starts, segments.lens, segments.slots, strict=True):
+        s = host_scale[slot]
+        if s == 0.0:
+            continue  # this slot's adapter does not target the projection
         if whole:  # one adapter for the whole batch: no gather, no scatter
-            y.add_((x @ lora_a[slot].T) @ lora_b[slot].T * scale[slot])
+            y.add_((x @ lora_a[slot].T) @ lora_b[slot].T, alpha=s)
             return
         rows = segments.token_order[start : start + length]
-        delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T * scale[slot]
-        y.index_add_(0, rows, delta.to(y.dtype))
+        delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T
+        y.index_add_(0, rows, delta, alpha=s)

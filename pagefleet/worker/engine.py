@@ -97,6 +97,9 @@ class LLMEngine:
         self._num_aborted = 0
         self._kv_blocks_exported = 0
         self._kv_blocks_imported = 0
+        # The adapter of each registered hash an adapter request computed, while the pool
+        # or the offload tier holds it (for `kv_event_adapters`).
+        self._adapter_of: dict[bytes, str] = {}
 
     def _num_kv_blocks(self, shape: ModelShape) -> int:
         cfg = self.config
@@ -427,8 +430,11 @@ class LLMEngine:
             return
         assert seq.table is not None
         hashes = seq.full_block_hashes(full * bs, bs)
+        adapter = seq.request.adapter
         for i in range(seq.num_registered_blocks, full):
             self.pool.register(seq.table.block_ids[i], hashes[i])
+            if adapter is not None:
+                self._adapter_of[hashes[i]] = adapter
         seq.num_registered_blocks = full
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -607,6 +613,24 @@ class LLMEngine:
             events.extend(self.offload.drain_events())
         return events
 
+    def kv_event_adapters(self, events: list[tuple[str, bytes]]) -> tuple[str, ...]:
+        """The LoRA adapter of each drained (or snapshot) event's block, "" for the base
+        model; () when every one is the base model's (`KVEventBatch.adapters`).
+
+        Hashes held nowhere any more (removed from the pool and not in the offload
+        tier) are forgotten here, so call it once per drain, after the drain.
+        """
+        names = tuple(self._adapter_of.get(h, "") for _, h in events)
+        for kind, h in events:
+            if kind.endswith("removed") and h in self._adapter_of and not self._holds(h):
+                del self._adapter_of[h]
+        return names if any(names) else ()
+
+    def _holds(self, block_hash: bytes) -> bool:
+        return self.pool.is_cached(block_hash) or (
+            self.offload is not None and block_hash in self.offload
+        )
+
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """The hashes another worker of the pool also holds, by the scheduler: their
         cached blocks are evicted before last copies (`BlockPool.mark_duplicated`)."""
@@ -617,6 +641,8 @@ class LLMEngine:
         hash) for the tier, and the pending KV events dropped: a receiver that
         replaces its index with this list is exactly in sync."""
         self.drain_kv_events()
+        # The drain's removals are not reported: forget the adapters of what is gone.
+        self._adapter_of = {h: a for h, a in self._adapter_of.items() if self._holds(h)}
         events = [("stored", h) for h in self.pool.registered_hashes()]
         if self.offload is not None:
             events.extend(("offload_stored", h) for h in self.offload.hashes())
