@@ -67,15 +67,18 @@ def run_hf_peft(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # No EOS at all, as the engine's ignore_eos: `generate` fills an unset eos_token_id
+    # from the model's generation config, and min_new_tokens would mask EOS instead
+    # (another token than the greedy one).
+    base.generation_config.eos_token_id = None
     ordered = sorted(adapters)
     peft: Any = PeftModel.from_pretrained(base, adapters[ordered[0]], adapter_name=ordered[0])
     for name in ordered[1:]:
         peft.load_adapter(adapters[name], adapter_name=name)
     peft.eval()
-    eos = base.generation_config.eos_token_id
-    # min_new_tokens = max_new_tokens: exactly that many tokens, EOS or not (as ignore_eos).
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos)
+    pad = base.generation_config.pad_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None,
+                              pad_token_id=pad if pad is not None else 0)
     answers = []
     start = time.perf_counter()
     with torch.no_grad():
