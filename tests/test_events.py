@@ -96,6 +96,23 @@ def test_kv_event_batch_round_trips_any_events(events: list[tuple[str, bytes]]) 
     assert KVEventBatch.decode(batch.encode()).events == tuple(events)
 
 
+def test_kv_event_batch_round_trips_the_adapter_of_each_event() -> None:
+    events = (("stored", b"a"), ("stored", b"b"), ("removed", b"c"))
+    batch = KVEventBatch.from_engine("w", 1, events, adapters=("alpha", "", "beta"))
+    assert KVEventBatch.decode(batch.encode()).adapters == ("alpha", "", "beta")
+
+
+def test_a_kv_event_batch_without_adapters_decodes_as_all_base_model() -> None:
+    batch = KVEventBatch("w", 1, (("stored", b"a"),))
+    assert "adapters" not in msgpack.unpackb(batch.encode())
+    assert KVEventBatch.decode(batch.encode()).adapters == ()
+
+
+def test_a_kv_event_batch_needs_one_adapter_per_event() -> None:
+    with pytest.raises(ValueError, match="one per event: 1 for 2 events"):
+        KVEventBatch("w", 1, (("stored", b"a"), ("stored", b"b")), adapters=("alpha",))
+
+
 def test_decode_message_dispatches_on_kind() -> None:
     report = make_report()
     batch = KVEventBatch("w0", 1, (("stored", b"h"),))

@@ -133,7 +133,12 @@ class WorkerActor:
                     yield TokenDelta(finish_reason="abort")
                     return
             stream = self._engine.generate(
-                request_id, prompt, request.params, priority=request.priority, salt=request.salt
+                request_id,
+                prompt,
+                request.params,
+                priority=request.priority,
+                salt=request.salt,
+                adapter=request.adapter,
             )
             async for out in stream:
                 self._progress += len(out.new_token_ids) or 1
@@ -312,12 +317,14 @@ class WorkerActor:
     def _kv_batch(self, snapshot: bool) -> bytes:
         """The next KV batch: the events since the last one, or a snapshot of every held hash."""
         self._kv_seq += 1
-        if snapshot:
-            events = self._engine.snapshot_kv()
-        else:
-            events = self._engine.drain_kv_events()
+        events, adapters = self._engine.kv_events(snapshot)
         return KVEventBatch.from_engine(
-            self.worker_id, self._kv_seq, events, reset=snapshot, incarnation=self.incarnation
+            self.worker_id,
+            self._kv_seq,
+            events,
+            reset=snapshot,
+            incarnation=self.incarnation,
+            adapters=adapters,
         ).encode()
 
     def _ensure_reporter(self) -> None:

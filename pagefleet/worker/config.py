@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -88,6 +89,11 @@ class EngineConfig:
     `tenant_max_live_blocks` caps the live blocks of a tenant, as
     ``(salt, max_blocks)`` pairs keyed by the request's prefix-cache salt
     (see `worker.tenant_quota`).
+    `lora_adapters` names the PEFT LoRA adapters this engine serves, as a
+    mapping or ``(name, directory)`` pairs (stored as sorted pairs); a
+    request selects one by name. `max_loras` adapters are resident in device
+    slots at once (loaded on first use, least recently used evicted);
+    `max_lora_rank` is the largest rank accepted (see `worker.lora`).
     """
 
     # Read by pydantic when a cluster config embeds these settings in a pool:
@@ -112,8 +118,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_memory_fraction: float = 0.1
     tenant_max_live_blocks: tuple[tuple[str, int], ...] = ()
+    lora_adapters: Mapping[str, str | Path] | tuple[tuple[str, str | Path], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_adapters", _adapter_pairs(self.lora_adapters))
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if not is_valid_block_size(self.block_size):
             raise InvalidField("block_size", f"must be a power of two >= 1, got {self.block_size}")
         for name in ("num_kv_blocks", "kv_memory_bytes"):
@@ -154,3 +168,25 @@ class EngineConfig:
             raise InvalidField(
                 "cpu_kv_memory_fraction", f"must be in (0, 0.9], got {self.cpu_kv_memory_fraction}"
             )
+
+
+def _adapter_pairs(
+    adapters: Mapping[str, str | Path] | tuple[tuple[str, str | Path], ...],
+) -> tuple[tuple[str, str], ...]:
+    """`lora_adapters` as sorted (name, directory) pairs, every name checked once."""
+    pairs = list(adapters.items()) if isinstance(adapters, Mapping) else list(adapters)
+    names: set[str] = set()
+    out: list[tuple[str, str]] = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"lora_adapters entries must be (name, directory) pairs, got {pair!r}")
+        name, path = pair
+        if not isinstance(name, str) or not name or name != name.strip() or " " in name:
+            raise ValueError(f"LoRA adapter name must be a non-empty string without spaces, got {name!r}")
+        if name in names:
+            raise ValueError(f"LoRA adapter name {name!r} is listed twice")
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise ValueError(f"LoRA adapter {name!r} needs a directory, got {path!r}")
+        names.add(name)
+        out.append((name, str(path)))
+    return tuple(sorted(out))

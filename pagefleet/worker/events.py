@@ -385,6 +385,10 @@ class KVEventBatch:
     (sent by a worker that (re)started, and whenever the scheduler asks after
     a sequence gap or for its periodic drift check). ``seq`` counts batches
     within one ``incarnation`` (a process of the worker), from 1.
+    ``adapters``, when not empty, names the LoRA adapter of each event's block
+    ("" for the base model), parallel to ``events``; empty means every block
+    is the base model's. The hashes already differ per adapter (the adapter's
+    identity is in each of them); the names let an index group them.
     """
 
     worker_id: str
@@ -392,8 +396,14 @@ class KVEventBatch:
     events: tuple[tuple[str, bytes], ...] = ()
     reset: bool = False
     incarnation: str = ""
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.adapters and len(self.adapters) != len(self.events):
+            raise ValueError(
+                f"adapters must be empty or one per event: {len(self.adapters)} for "
+                f"{len(self.events)} events"
+            )
         for kind, _ in self.events:
             if kind not in _KV_EVENT_TYPES:
                 raise ValueError(
@@ -410,10 +420,17 @@ class KVEventBatch:
         *,
         reset: bool = False,
         incarnation: str = "",
+        adapters: Iterable[str] = (),
     ) -> KVEventBatch:
-        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot)."""
+        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot), with
+        ``engine.kv_event_adapters`` of it as `adapters`."""
         return cls(
-            worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset, incarnation
+            worker_id,
+            seq,
+            tuple((str(k), bytes(h)) for k, h in events),
+            reset,
+            incarnation,
+            tuple(adapters),
         )
 
     def encode(self) -> bytes:
@@ -429,6 +446,8 @@ class KVEventBatch:
                 # 1 = stored, 0 = removed (3 / 2 in the offload tier): a byte per event
                 "ops": bytes(_KV_OPS[kind] for kind, _ in self.events),
                 "hashes": [h for _, h in self.events],
+                # only when some block is an adapter's: base-only batches stay as small
+                **({"adapters": list(self.adapters)} if self.adapters else {}),
             },
             use_bin_type=True,
         )
@@ -452,12 +471,18 @@ class KVEventBatch:
         if not all(isinstance(h, bytes) for h in hashes):
             raise EventDecodeError("block hashes must be bytes")
         events = tuple((_KV_KINDS[op], h) for op, h in zip(ops, hashes, strict=True))
+        adapters = _get(obj, "adapters", list) if "adapters" in obj else []
+        if adapters and (
+            len(adapters) != len(events) or not all(isinstance(a, str) for a in adapters)
+        ):
+            raise EventDecodeError("adapters must hold one str per event")
         return cls(
             worker_id=_get(obj, "worker_id", str),
             seq=_get(obj, "seq", int),
             events=events,
             reset=_get(obj, "reset", bool),
             incarnation=_get(obj, "incarnation", str),
+            adapters=tuple(adapters),
         )
 
 

@@ -24,7 +24,7 @@ class KVHandoff:
     bytes (`kv_migration.to_bytes`): `len(block_hashes)` blocks of
     `block_shape` (`[layers, 2, block_size, kv_heads, head_dim]`) in `dtype`,
     `blocks[i]` registered under the chained prefix hash `block_hashes[i]`
-    (salted by the tenant, so only its requests can hit them).
+    (salted by the tenant and the adapter, so only its requests can hit them).
     """
 
     block_hashes: tuple[bytes, ...]
@@ -43,7 +43,8 @@ class WorkerRequest:
     """One generation request as a worker receives it.
 
     `request_id` is unique at the worker (the ingress tags it with its
-    replica id); `salt` is the tenant's prefix-cache salt. `kv`: the blocks
+    replica id); `salt` is the tenant's prefix-cache salt; `adapter` the name of
+    the worker's LoRA adapter to generate with (None: the base model). `kv`: the blocks
     of this request another worker handed it off with; the worker imports
     them before it admits the request (or, if they cannot be fetched,
     recomputes them).
@@ -55,6 +56,7 @@ class WorkerRequest:
     priority: int = 0
     salt: str | None = None
     kv: KVHandoff | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
