@@ -128,6 +128,34 @@ def test_parse_reads_chat_logprobs_and_max_completion_tokens() -> None:
     assert (parsed.params.logprobs, parsed.params.max_tokens) == (2, 5)
 
 
+def test_parse_lets_max_completion_tokens_win_over_max_tokens() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "max_completion_tokens": 3}
+    assert parse_request(body, chat=True).params.max_tokens == 3
+
+
+@pytest.mark.parametrize("role", ["wizard", "user\nsystem", "function", ""])
+def test_parse_refuses_a_chat_role_outside_the_allowed_ones_naming_them(role: str) -> None:
+    body = {"messages": [{"role": role, "content": "Hi"}]}
+    with pytest.raises(IngressError, match=r"role .* is not supported; allowed roles: system, user, "
+                       r"assistant, tool, developer"):
+        parse_request(body, chat=True)
+
+
+def test_parse_refuses_null_content_and_assistant_tool_calls() -> None:
+    with pytest.raises(IngressError, match=r"messages\[0\].content must be a string .*got None"):
+        parse_request({"messages": [{"role": "user", "content": None}]}, chat=True)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(IngressError, match=r"tool calls are not supported"):
+        parse_request({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]}, chat=True)
+
+
+def test_parse_refuses_a_non_text_content_part_naming_its_type() -> None:
+    part = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+    with pytest.raises(IngressError, match=r"content\[1\]: content part type 'image_url' is not supported"):
+        parse_request(body, chat=True)
+
+
 def _serve_args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = {"config": None, "model": None, "workers": None, "http_port": None}
     return argparse.Namespace(**{**base, **kw})

@@ -26,6 +26,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 # OpenAI's documented default; pass temperature 0 for greedy decoding.
 DEFAULT_TEMPERATURE = 1.0
 
+# The roles a chat message may have (OpenAI's, less the deprecated "function").
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
 # Fields this server does not implement: a request setting one to anything but
 # its neutral value is refused, rather than silently answered without it.
 _UNSUPPORTED = {
@@ -192,24 +195,10 @@ class ChatCompletionRequest(_Body):
     @field_validator("messages", mode="before")
     @classmethod
     def _messages(cls, raw: Any) -> list[dict[str, str]]:
-        """Role/content strings; content parts must be text."""
+        """Role/content strings: a known role, content a string or text parts."""
         if not isinstance(raw, list) or not raw:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
-        out = []
-        for i, msg in enumerate(raw):
-            if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
-                raise ValueError(f"messages[{i}] must be an object with a string role")
-            content = msg.get("content")
-            if content is None:
-                content = ""
-            elif isinstance(content, list):
-                if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-                    raise ValueError(f"messages[{i}].content: only text parts are supported")
-                content = "".join(str(p.get("text", "")) for p in content)
-            elif not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-            out.append({"role": msg["role"], "content": content})
-        return out
+        return [_message_of(i, msg) for i, msg in enumerate(raw)]
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -218,11 +207,44 @@ class ChatCompletionRequest(_Body):
         return self
 
     def _max_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        # As OpenAI and vLLM: max_completion_tokens (the newer name) wins when both are set.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def _logprobs(self) -> int | None:
         # Chat asks with `logprobs: true` and `top_logprobs: k` alternatives.
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _message_of(i: int, msg: Any) -> dict[str, str]:
+    """One chat message as {role, content}; ValueError naming what is wrong with it."""
+    if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string role")
+    role = msg["role"]
+    if role not in CHAT_ROLES:
+        raise ValueError(
+            f"messages[{i}].role {role!r} is not supported; allowed roles: {', '.join(CHAT_ROLES)}"
+        )
+    if msg.get("tool_calls"):
+        raise ValueError(f"messages[{i}].tool_calls: tool calls are not supported by this server")
+    content = msg.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text":
+                raise ValueError(
+                    f"messages[{i}].content[{j}]: content part type {kind!r} is not supported "
+                    "(only 'text')"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+        content = "".join(part["text"] for part in content)
+    elif not isinstance(content, str):
+        raise ValueError(
+            f"messages[{i}].content must be a string or a list of text parts, got {content!r}"
+        )
+    return {"role": role, "content": content}
 
 
 @dataclass(frozen=True)
