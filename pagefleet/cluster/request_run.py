@@ -145,7 +145,8 @@ class RequestRun:
         params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(self._streamed))
         # After a failover the new worker recomputes prompt + streamed tokens.
         request = WorkerRequest(
-            self.worker_rid, (*req.prompt_ids, *self._streamed), params, req.priority, req.salt, self._kv
+            self.worker_rid, (*req.prompt_ids, *self._streamed), params, req.priority, req.salt,
+            self._kv, num_resumed_tokens=len(self._streamed),
         )
         self._tried.add(slot.worker_id)
         slot.requests_routed += 1

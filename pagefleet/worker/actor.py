@@ -139,6 +139,7 @@ class WorkerActor:
                 priority=request.priority,
                 salt=request.salt,
                 adapter=request.adapter,
+                num_resumed_tokens=request.num_resumed_tokens,
             )
             async for out in stream:
                 self._progress += len(out.new_token_ids) or 1

@@ -128,6 +128,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         salt: str | None = None,
         adapter: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request until all its completions finish.
 
@@ -142,7 +143,8 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(
-                    request_id, prompt, params, priority, arrival_time, salt, adapter
+                    request_id, prompt, params, priority, arrival_time, salt, adapter,
+                    num_resumed_tokens,
                 )
             except Exception as exc:
                 _resolve(added, exc)

@@ -30,7 +30,7 @@ from pagefleet.worker.kv_migration import ExportedKV, export_blocks, import_bloc
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.offload import HostOffloadTier, TierStats
 from pagefleet.worker.outputs import RequestOutput
-from pagefleet.worker.sampler import sample, token_logprobs
+from pagefleet.worker.sampler import TokenHistory, sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
 
@@ -43,6 +43,12 @@ class BlockClaims:
     committed: int
     by_priority: dict[int, tuple[int, int]]
     by_request: dict[str, int]  # blocks each request claims in all
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    """What the sampler's penalties count for a sequence: its prompt and its output so far."""
+    prompt_end = seq.num_prompt_tokens - seq.request.num_resumed_tokens
+    return TokenHistory(seq.token_ids[:prompt_end], seq.token_ids[prompt_end:])
 
 
 class RequestError(ValueError):
@@ -128,6 +134,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         salt: str | None = None,
         adapter: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> None:
         """Validate and queue a request; raises RequestError naming the broken limit.
 
@@ -136,6 +143,9 @@ class LLMEngine:
         `adapter` names one of `EngineConfig.lora_adapters` (None: the base
         model); its identity enters every prefix hash of the request, so
         adapters and the base model never share a cached block.
+        `num_resumed_tokens`: how many tokens at the end of the prompt an earlier
+        attempt generated (a request resumed on this worker); penalties count
+        them as output.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -145,6 +155,11 @@ class LLMEngine:
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
         self._validate_tenant_cap(prompt_ids, params, salt)
+        if not 0 <= num_resumed_tokens < len(prompt_ids):
+            raise RequestError(
+                f"num_resumed_tokens must be in [0, {len(prompt_ids)}) for a prompt of "
+                f"{len(prompt_ids)} tokens, got {num_resumed_tokens}"
+            )
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -156,6 +171,7 @@ class LLMEngine:
             base_seed=base_seed,
             adapter=adapter,
             adapter_id=adapter_id,
+            num_resumed_tokens=num_resumed_tokens,
         )
         seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(prompt_ids, params))
         request.sequences.append(seq)
@@ -203,6 +219,11 @@ class LLMEngine:
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
                 f"{blocks} KV blocks of {bs} tokens, but the pool has only {self.pool.num_blocks}"
             )
+        for tok, _ in params.logit_bias:
+            if tok >= self.vocab_size:
+                raise RequestError(
+                    f"logit_bias token id {tok} is outside the vocabulary [0, {self.vocab_size})"
+                )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none")
 
@@ -341,6 +362,7 @@ class LLMEngine:
             logits[rows],
             [s.request.params for s in sampled],
             [s.generator for s in sampled],
+            [_history(s) for s in sampled],
         )
         self._record_logprobs(logits, rows, sampled, tokens)
         for seq, token in zip(sampled, tokens, strict=True):

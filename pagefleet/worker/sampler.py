@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,13 +15,15 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> list[int | None]:
     """One token per row of `logits` ([num_rows, vocab]); None for a row that cannot be sampled.
 
-    Greedy rows take the argmax (first index on ties, like HF). Other rows
-    apply temperature, top-k and top-p, then draw with the row's own
-    generator, on CPU in float32 so a seed gives the same token on any
-    device and in any batch.
+    First the rows' logit biases and penalties (`adjust_logits`, which
+    needs `histories` when a row is penalized). Then greedy rows take the
+    argmax (first index on ties, like HF). Other rows apply temperature,
+    min-p, top-k and top-p, then draw with the row's own generator, on CPU
+    in float32 so a seed gives the same token on any device and in any batch.
 
     A row whose logits hold NaN or +inf (or whose probabilities are not a
     distribution) gets None instead of raising: the caller fails that one
@@ -28,6 +31,7 @@ def sample(
     """
     tokens: list[int | None] = [None] * len(params)
     ok = _finite_rows(logits)
+    logits = adjust_logits(logits, params, histories)
     greedy = [i for i, p in enumerate(params) if p.greedy and ok[i]]
     if greedy:
         picked = logits[greedy].argmax(dim=-1).tolist()
@@ -44,6 +48,79 @@ def sample(
     return tokens
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a row's penalties count: the prompt's token ids and those generated so far.
+
+    A request resumed on another worker carries its earlier output at the end
+    of its prompt; the engine puts those tokens back under `output`.
+    """
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory] | None,
+) -> torch.Tensor:
+    """`logits` after each row's logit bias, then its repetition, frequency and presence
+    penalties (in float32; the same tensor when no row sets any).
+
+    Batched: one [rows, vocab] count of the output tokens and one mask of the
+    prompt's, built with scatter from padded id tensors, and per-row penalty
+    columns; a row with the neutral values is left unchanged.
+    """
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if not biased and not penalized:
+        return logits
+    out = logits.to(torch.float32)  # a copy unless it was float32 already
+    if out is logits:
+        out = logits.clone()
+    device = out.device
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        ids = [t for i in biased for t, _ in params[i].logit_bias]
+        values = [b for i in biased for _, b in params[i].logit_bias]
+        index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+        out.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+    if penalized:
+        if histories is None:
+            raise ValueError("penalized rows need their token histories")
+        sub = out[penalized]
+        vocab = sub.shape[1]
+        counts = _token_counts([histories[i].output for i in penalized], vocab, device)
+        in_prompt = _token_counts([histories[i].prompt for i in penalized], vocab, device) > 0
+
+        def column(name: str) -> torch.Tensor:
+            values = [getattr(params[i], name) for i in penalized]
+            return torch.tensor(values, device=device, dtype=torch.float32).unsqueeze(1)
+
+        rep = column("repetition_penalty")
+        seen = in_prompt | (counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - column("frequency_penalty") * counts
+        sub = sub - column("presence_penalty") * (counts > 0).to(torch.float32)
+        out[penalized] = sub
+    return out
+
+
+def _token_counts(id_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(id_lists), vocab] float32: how many times each token occurs in each list."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    # Padding points at an extra column, cut off at the end.
+    padded = torch.full((len(id_lists), max(width, 1)), vocab, dtype=torch.long)
+    for row, ids in enumerate(id_lists):
+        if ids:
+            padded[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros((len(id_lists), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
 def _finite_rows(logits: torch.Tensor) -> list[bool]:
     """Per row: no NaN and no +inf (a -inf logit is a masked token, which is fine)."""
     bad = torch.isnan(logits) | torch.isposinf(logits)
@@ -51,8 +128,11 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
 
 
 def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities of one row after temperature, top-k and top-p filtering."""
+    """Probabilities of one row after temperature, min-p, top-k and top-p filtering."""
     scaled = row / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

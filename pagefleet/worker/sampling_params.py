@@ -20,6 +20,16 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 # Most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
+# OpenAI's bounds: presence/frequency penalties in [-2, 2], logit biases in [-100, 100],
+# at most 300 biased tokens.
+MAX_ABS_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,16 @@ class SamplingParams:
     its log-probability and those of the `k` most likely tokens (0: the
     sampled token's only), from the model's distribution before temperature
     and filtering; None returns none.
+
+    Before temperature, `logit_bias` ((token_id, bias) pairs, or a dict)
+    adds each bias to its token's logit; `repetition_penalty` divides the
+    positive logits (multiplies the negative ones) of every token of the
+    prompt or the output so far, as HF's RepetitionPenaltyLogitsProcessor;
+    `frequency_penalty` subtracts, per token, the penalty times its count in
+    the output so far and `presence_penalty` the penalty once if it occurs
+    there (OpenAI's definitions). After temperature, `min_p` drops the tokens
+    whose probability is below `min_p` times the most likely one's. The
+    neutral values (no bias, 1.0, 0.0, 0.0, 0.0) leave the logits as they are.
     """
 
     max_tokens: int = 16
@@ -49,6 +69,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -98,6 +123,55 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        self._check_penalties()
+        self._check_logit_bias()
+
+    def _check_penalties(self) -> None:
+        if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        rp = self.repetition_penalty
+        if not (_is_number(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
+            raise ValueError(
+                f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+                raise ValueError(
+                    f"{name} must be a number in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                    f"got {value!r}"
+                )
+
+    def _check_logit_bias(self) -> None:
+        raw: object = self.logit_bias
+        pairs = list(raw.items()) if isinstance(raw, dict) else list(raw)  # type: ignore[call-overload]
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}"
+            )
+        out = []
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+            token, bias = pair
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias token ids must be integers >= 0, got {token!r}")
+            if not (_is_number(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                    f"{MAX_ABS_LOGIT_BIAS:g}], got {bias!r} for token {token}"
+                )
+            out.append((token, float(bias)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(out)))
+
+    @property
+    def penalized(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:

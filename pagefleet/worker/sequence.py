@@ -61,6 +61,9 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False  # siblings 1..n-1 exist
+    # Tokens at the end of the prompt that an earlier attempt generated (a request
+    # resumed here after a failover or hand-off): penalties count them as output.
+    num_resumed_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -47,7 +47,9 @@ class WorkerRequest:
     the worker's LoRA adapter to generate with (None: the base model). `kv`: the blocks
     of this request another worker handed it off with; the worker imports
     them before it admits the request (or, if they cannot be fetched,
-    recomputes them).
+    recomputes them). `num_resumed_tokens`: how many tokens at the end of
+    `prompt` an earlier attempt streamed (a resumed request), which the
+    sampler's penalties count as output.
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class WorkerRequest:
     salt: str | None = None
     kv: KVHandoff | None = None
     adapter: str | None = None
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)
