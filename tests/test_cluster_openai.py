@@ -156,6 +156,43 @@ def test_parse_refuses_a_non_text_content_part_naming_its_type() -> None:
         parse_request(body, chat=True)
 
 
+def test_parse_reads_the_penalties_min_p_and_logit_bias() -> None:
+    body = {
+        "prompt": "Hello", "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": -0.5,
+        "frequency_penalty": 1, "logit_bias": {"17": -100, "3": 2.5},
+    }  # fmt: skip
+    p = parse_request(body, chat=False).params
+    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (0.1, 1.2, -0.5, 1)
+    assert p.logit_bias == ((3, 2.5), (17, -100.0))
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+        ({"repetition_penalty": 0}, r"repetition_penalty must be a number in \(0, 2\], got 0"),
+        ({"logit_bias": {"5": 150}}, r"logit_bias values must be numbers in \[-100, 100\], got 150.0"),
+        ({"logit_bias": {"x": 1}}, r"logit_bias keys must be token ids \(strings of digits\), got 'x'"),
+        ({"min_p": "0.1"}, r"min_p must be a number in \[0, 1\], got '0.1'"),
+    ],
+)
+def test_parse_refuses_penalties_outside_their_range_naming_the_limit(field: dict, message: str) -> None:
+    with pytest.raises(IngressError, match=message):
+        parse_request({"prompt": "Hello", **field}, chat=False)
+
+
+@pytest.mark.parametrize("field", ["reasoning_effort", "max_completion_tokens", "guided_json"])
+def test_parse_refuses_a_field_it_does_not_know_naming_it(field: str) -> None:
+    with pytest.raises(IngressError, match=rf": {field} is not supported by this server on /v1/completions"):
+        parse_request({"prompt": "Hello", field: 1}, chat=False)
+
+
+def test_parse_accepts_the_user_label_without_effect() -> None:
+    assert parse_request({"prompt": "Hello", "user": "u-1"}, chat=False).params == SamplingParams(
+        temperature=1.0
+    )
+
+
 def _serve_args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = {"config": None, "model": None, "workers": None, "http_port": None}
     return argparse.Namespace(**{**base, **kw})

@@ -46,8 +46,8 @@ UNREQUESTED_CALL_LIMIT_S = 3600
 def request_from_proto(msg: pb.GenerateRequest) -> Submission:
     """Validate a wire request; raises `InvalidArgument` with the reason.
 
-    Proto3 cannot tell an unset number from 0: `max_tokens` 0 and `top_p` 0
-    mean unset (the defaults of `sampling_params`), as do an absent `seed`
+    Proto3 cannot tell an unset number from 0: `max_tokens`, `top_p` and
+    `repetition_penalty` 0 mean unset (the defaults of `sampling_params`), as do an absent `seed`
     and `logprobs`.
     """
     has_text = bool(msg.prompt)
@@ -67,6 +67,11 @@ def request_from_proto(msg: pb.GenerateRequest) -> Submission:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty or None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
     )
     return Submission(
         target=Target(msg.pool),

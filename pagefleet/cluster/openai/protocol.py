@@ -4,9 +4,10 @@
 strictly (no bool posing as a number, no string posing as a number) and the
 shapes OpenAI allows (a prompt as text, token ids or a batch of one; chat
 content as a string or text parts). Fields this server does not implement are
-refused unless they carry their neutral value; unknown fields are ignored, as
-OpenAI clients send some. Every refusal is INVALID_ARGUMENT naming the field
-(`parse_request`), never pydantic's own wording.
+refused unless they carry their neutral value, and so is any field it does not
+know: nothing a client sends is silently ignored (`user`, which only labels
+the caller, is the one field accepted without effect). Every refusal is
+INVALID_ARGUMENT naming the field (`parse_request`), never pydantic's own wording.
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ _UNSUPPORTED = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v is None,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,
     "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
 }
+
+# Accepted and without effect: OpenAI's label of the end user.
+_INFORMATIONAL = {"user"}
 
 # What a field must be, for the message of a value of the wrong type.
 _EXPECTED = {
@@ -57,6 +61,11 @@ _EXPECTED = {
     "stream": "a boolean",
     "priority": "an integer",
     "top_logprobs": "an integer",
+    "min_p": "a number in [0, 1]",
+    "repetition_penalty": "a number in (0, 2]",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "user": "a string",
 }
 
 
@@ -67,7 +76,7 @@ def _is_int(value: Any) -> bool:
 class _Body(BaseModel):
     """The fields completions and chat share."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int | None = None
@@ -83,6 +92,13 @@ class _Body(BaseModel):
     stream_options: Any = Field(default_factory=dict)
     # vLLM's extension: larger is admitted first and preempted last.
     priority: int | None = None
+    # vLLM's extensions (min_p, repetition_penalty) and OpenAI's penalties.
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Any = None
+    user: str | None = None
 
     chat: ClassVar[bool] = False
 
@@ -94,7 +110,31 @@ class _Body(BaseModel):
         for name, neutral in _UNSUPPORTED.items():
             if name in data and not neutral(data[name]):
                 raise ValueError(f"{name} is not supported by this server (got {data[name]!r})")
+        unknown = sorted(set(data) - set(cls.model_fields) - set(_UNSUPPORTED) - _INFORMATIONAL)
+        if unknown:
+            where = "/v1/chat/completions" if cls.chat else "/v1/completions"
+            raise ValueError(
+                f"{unknown[0]} is not supported by this server on {where}; "
+                "see docs/api.md for the accepted fields"
+            )
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: Any) -> dict[int, float]:
+        """OpenAI's map of token ids (as JSON object keys: strings of digits) to biases."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {bias!r}")
+        out = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"logit_bias values must be numbers, got {value!r} for token {key}")
+            out[int(key)] = float(value)
+        return out
 
     @field_validator("n")
     @classmethod
@@ -149,6 +189,11 @@ class _Body(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
         )
 
 

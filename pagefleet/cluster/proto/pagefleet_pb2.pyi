@@ -10,9 +10,14 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
     __slots__ = (
+        "frequency_penalty",
         "ignore_eos",
+        "logit_bias",
         "logprobs",
         "max_tokens",
+        "min_p",
+        "presence_penalty",
+        "repetition_penalty",
         "seed",
         "stop",
         "stop_token_ids",
@@ -20,6 +25,14 @@ class SamplingParams(_message.Message):
         "top_k",
         "top_p",
     )
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +42,11 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -38,6 +56,11 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -49,6 +72,11 @@ class SamplingParams(_message.Message):
         stop_token_ids: _Iterable[int] | None = ...,
         ignore_eos: bool | None = ...,
         logprobs: int | None = ...,
+        min_p: float | None = ...,
+        repetition_penalty: float | None = ...,
+        presence_penalty: float | None = ...,
+        frequency_penalty: float | None = ...,
+        logit_bias: _Mapping[int, float] | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
