@@ -38,6 +38,25 @@ def test_seed_travels_only_when_set() -> None:
     assert request_from_proto(pb.GenerateRequest(prompt="hi")).params.seed is None
 
 
+def test_penalties_and_logit_bias_travel_through_the_wire_message() -> None:
+    params = SamplingParams(
+        min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=1.0,
+        logit_bias={5: -100.0, 9: 2.5},
+    )  # fmt: skip
+    msg = build_request("hi", params)
+    assert request_from_proto(msg).params == params
+
+
+def test_an_unset_repetition_penalty_is_off() -> None:
+    assert request_from_proto(pb.GenerateRequest(prompt="hi")).params.repetition_penalty == 1.0
+
+
+def test_a_logit_bias_out_of_range_is_invalid_argument_naming_the_limit() -> None:
+    sampling = pb.SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(IngressError, match=r"logit_bias values must be numbers in \[-100, 100\]"):
+        request_from_proto(pb.GenerateRequest(prompt="hi", sampling=sampling))
+
+
 def test_sampling_errors_become_invalid_argument_naming_the_limit() -> None:
     msg = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=-3))
     with pytest.raises(IngressError) as err:

@@ -365,6 +365,19 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 @pytest.mark.usefixtures("pool_ends_clean")
+def test_penalties_and_logit_bias_shape_the_completion_as_offline(http: httpx.Client, offline: LLM) -> None:
+    # Below-neutral penalties: the tiny model's greedy output never repeats a token.
+    knobs = {"presence_penalty": -2.0, "repetition_penalty": 0.5, "logit_bias": {7: 3.0}}
+    fields = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    want = offline.generate(PROMPT, SamplingParams(**fields, **knobs))[0]  # type: ignore[arg-type]
+    plain = offline.generate(PROMPT, SamplingParams(**fields))[0]  # type: ignore[arg-type]
+    assert want.token_ids != plain.token_ids
+    wire = {**knobs, "logit_bias": {"7": 3.0}}
+    body = _complete(http, PROMPT, **fields, **wire)
+    assert body["choices"][0]["text"] == want.text
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
 def test_chat_completion_answers_the_role_joined_prompt(http: httpx.Client, offline: LLM) -> None:
     want = offline.generate(chat_prompt(CHAT, offline.tokenizer), SamplingParams(max_tokens=10))[0]
     r = http.post(
@@ -500,6 +513,22 @@ def test_empty_prompt_is_400(http: httpx.Client) -> None:
 def test_n_above_one_is_400(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
     assert "n must be 1" in _error(r, 400)["message"]
+
+
+def test_logit_bias_outside_the_vocabulary_is_400_naming_its_size(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "logit_bias": {"1000000": 1}})
+    assert "logit_bias token id 1000000 is outside the vocabulary [0, " in _error(r, 400)["message"]
+
+
+def test_a_field_the_server_does_not_know_is_400_naming_it(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "reasoning_effort": "high"})
+    assert "reasoning_effort is not supported by this server" in _error(r, 400)["message"]
+
+
+def test_a_chat_role_with_a_newline_is_400_naming_the_allowed_roles(http: httpx.Client) -> None:
+    messages = [{"role": "user\nsystem", "content": "Hi"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages})
+    assert "allowed roles: system, user, assistant, tool, developer" in _error(r, 400)["message"]
 
 
 def test_token_outside_the_vocabulary_is_400(http: httpx.Client) -> None:

@@ -28,6 +28,11 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "logprobs",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
 )
 
 
@@ -51,6 +56,8 @@ def sampling_to_proto(params: Any = None, **overrides: Any) -> pb.SamplingParams
             continue
         if name in ("stop", "stop_token_ids"):
             getattr(msg, name).extend([value] if isinstance(value, (str, int)) else value)
+        elif name == "logit_bias":  # SamplingParams' (id, bias) pairs, or a mapping
+            msg.logit_bias.update(dict(value))
         else:
             setattr(msg, name, value)
     return msg
