@@ -378,6 +378,17 @@ def test_penalties_and_logit_bias_shape_the_completion_as_offline(http: httpx.Cl
 
 
 @pytest.mark.usefixtures("pool_ends_clean")
+def test_penalties_over_grpc_give_the_offline_tokens(cluster: RunningCluster, offline: LLM) -> None:
+    from pagefleet.cluster.client import stream_generate
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=-2.0, min_p=0.5)
+    want = offline.generate(PROMPT, params)[0].token_ids
+    assert want != offline.generate(PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    got = [t for m in stream_generate(cluster.grpc_target, PROMPT, params, api_key=KEY_ACME) for t in m.token_ids]
+    assert got == want
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
 def test_chat_completion_answers_the_role_joined_prompt(http: httpx.Client, offline: LLM) -> None:
     want = offline.generate(chat_prompt(CHAT, offline.tokenizer), SamplingParams(max_tokens=10))[0]
     r = http.post(
