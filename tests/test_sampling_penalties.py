@@ -151,3 +151,15 @@ def test_a_resumed_request_counts_its_earlier_output_in_the_penalties(llm: LLM) 
         for out in engine.step():
             last = out
     assert last is not None and whole[:8] + last.token_ids == whole
+
+
+def test_penalized_greedy_outputs_survive_recompute_preemption(llm: LLM) -> None:
+    prompts = [f"{TEXT} {i}" for i in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=-2.0, repetition_penalty=0.5)
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    # 16 blocks of 4 tokens: each request needs 8 of them to finish, so the batch must preempt.
+    small = LLM(model="tiny", block_size=4, num_kv_blocks=16, max_model_len=128,
+                preemption_mode="recompute", enable_prefix_caching=False)
+    together = [out.token_ids for out in small.generate(prompts, params)]
+    assert small.stats()["preemptions_recompute"] > 0
+    assert together == alone
