@@ -39,7 +39,12 @@ from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
-from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership, worker_actor_name
+from pagefleet.cluster.membership import (
+    CPU_WORKER_NUM_CPUS,
+    MembershipError,
+    start_membership,
+    worker_actor_name,
+)
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.openai_http import HttpServer, start_http_server
 
@@ -280,6 +285,12 @@ def start_cluster(
     namespace = ray.get_runtime_context().namespace
     schedulers = _start_schedulers(config, namespace)
     membership = start_membership(config, namespace, schedulers)
+    try:
+        ray.get(membership.wait_placed.remote(ready_timeout_s), timeout=ready_timeout_s + 60)
+    except MembershipError as exc:
+        # A pool Ray cannot place (or whose workers die loading) fails the start, saying why.
+        _stop_started(membership, schedulers, started_ray)
+        raise MembershipError(str(getattr(exc, "cause", None) or exc)) from None
     workers = ray.get(membership.members.remote(), timeout=ready_timeout_s)
     serve.start(http_options={"location": "NoServer"})
     replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
@@ -330,6 +341,18 @@ def start_cluster(
         ingress=handle,
         http_port=ports["http_port"],
     )
+
+
+def _stop_started(membership: Any, schedulers: tuple[Any, ...], started_ray: bool) -> None:
+    """Undo a start that failed before Serve: the workers, their owner, the schedulers."""
+    if started_ray:
+        ray.shutdown()
+        return
+    for pool_workers in ray.get(membership.members.remote(), timeout=60).values():
+        for _, handle in pool_workers:
+            ray.kill(handle, no_restart=True)
+    for actor in (membership, *schedulers):
+        ray.kill(actor, no_restart=True)
 
 
 def use_cluster_token(environ: dict[str, str] | None = None) -> bool:
@@ -385,6 +408,9 @@ def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
             stall_timeout_s=config.scheduler.stall_timeout_s,
             index_check_interval_s=config.scheduler.index_check_interval_s,
             migration=config.scheduler.migration_policy(),
+            # On the head node, with the ingress and membership: a worker node's loss
+            # never takes the cluster's view with it.
+            resources={HEAD_NODE_RESOURCE: 0.001},
         )
         for shard in range(config.scheduler.shards)
     )

@@ -165,6 +165,7 @@ def format_status(status: pb.StatusResponse) -> str:
     columns = (
         ("worker", 24),
         ("alive", 5),
+        ("node", 24),
         ("total", 6),
         ("free", 6),
         ("live", 6),
@@ -191,6 +192,7 @@ def format_status(status: pb.StatusResponse) -> str:
             cells = (
                 w.worker_id,
                 "yes" if w.alive else "no",
+                f"{w.node_ip} {w.node_id[:8]}".strip(),
                 w.total_blocks,
                 w.free_blocks,
                 w.live_blocks,

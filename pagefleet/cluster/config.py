@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pagefleet.cluster.router import RouterConfig
+from pagefleet.scheduler.autoscale import AutoscalePolicy
 from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.config import (
@@ -104,11 +105,20 @@ class PoolConfig:
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     num_gpus_per_worker: float | None = None
+    node_labels: dict[str, str] = field(default_factory=dict, hash=False)  # Ray labels its nodes need
+    min_workers: int | None = None  # autoscaling bounds; None: `workers`
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             _fail("name", "must not be empty")
         _at_least("workers", self.workers, 1)
+        low, high = self.worker_bounds()
+        if not 1 <= low <= self.workers <= high:
+            _fail("max_workers", f"need 1 <= min_workers <= workers <= max_workers, got {low}, {self.workers}, {high}")
+        for key, value in self.node_labels.items():
+            if not (isinstance(key, str) and key and isinstance(value, str) and value):
+                _fail("node_labels", f"keys and values must be non-empty strings, got {key!r}: {value!r}")
         if not is_valid_block_size(self.block_size):
             _fail("block_size", f"must be a power of two >= 1, got {self.block_size}")
         for name in ("num_kv_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -126,6 +136,11 @@ class PoolConfig:
             EngineConfig(**self.engine_kwargs(device="cpu"))
         except ValueError as exc:
             raise ConfigError(f"engine: {exc}") from exc
+
+    def worker_bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers), each `workers` when unset: a fixed size."""
+        low = self.workers if self.min_workers is None else self.min_workers
+        return low, self.workers if self.max_workers is None else self.max_workers
 
     def engine_kwargs(self, *, device: str | None = None) -> dict[str, Any]:
         """Keyword arguments for ``EngineConfig``; unset limits keep the engine's defaults.
@@ -251,9 +266,20 @@ class SchedulerConfig:
     migration_margin_blocks: int = 4
     migration_cooldown_s: float = 10.0
     migration_transfer: bool | str = "auto"
+    # Pools with min_workers < max_workers: grow after this long short of blocks
+    # (allocatable below the fraction) with requests waiting, shrink after this long idle.
+    autoscale_free_fraction: float = 0.1
+    autoscale_out_after_s: float = 10.0
+    autoscale_in_after_s: float = 60.0
+    autoscale_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, SCHEDULER_POLICIES)
+        try:
+            self.autoscale_policy(1, 2)
+        except ValueError as exc:  # "<field> must be ...": name the config field
+            name, _, reason = str(exc).partition(" ")
+            raise ConfigError(f"autoscale_{name}: {reason}") from exc
         _at_least("shards", self.shards, 1)
         _one_of("admission", self.admission, ADMISSION_MODES)
         if not 1.0 <= self.admission_overcommit <= 100.0:
@@ -299,6 +325,13 @@ class SchedulerConfig:
         return EvictionWatermarks(
             self.evict_low_watermark, self.evict_high_watermark, self.replica_aware_eviction
         )
+
+    def autoscale_policy(self, min_workers: int, max_workers: int) -> AutoscalePolicy:
+        """How a pool with these bounds grows and shrinks on load."""
+        return AutoscalePolicy(
+            min_workers, max_workers, self.autoscale_free_fraction, self.autoscale_out_after_s,
+            self.autoscale_in_after_s, self.autoscale_cooldown_s,
+        )  # fmt: skip
 
     def migration_policy(self) -> MigrationPolicy | None:
         """When the scheduler moves a request off a worker short of blocks (None: never)."""
@@ -669,6 +702,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             return None
         _fail(path, "must not be null")
     for typ in allowed:
+        if typing.get_origin(typ) is dict and isinstance(value, Mapping):
+            return dict(value)  # node_labels: __post_init__ checks the entries
         if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if typ is int and isinstance(value, int) and not isinstance(value, bool):

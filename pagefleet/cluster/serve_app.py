@@ -78,6 +78,11 @@ class WorkerOwner:
         workers: dict[str, list[tuple[str, Any]]] = await self.membership.members.remote()
         return workers
 
+    async def wait_placed(self, timeout_s: float) -> None:
+        """Return once every worker is placed and loaded; MembershipError saying what a
+        pool asks for and what the cluster has when that does not happen in `timeout_s`."""
+        await self.membership.wait_placed.remote(timeout_s)
+
     def get_schedulers(self) -> tuple[Any, ...]:
         """The scheduler shards' actor handles (the ingress follows their views)."""
         return self.schedulers
@@ -115,6 +120,7 @@ class ServeIngress(IngressDeployment):
         metrics_port: int | None,
         ready_timeout_s: float,
     ) -> None:
+        await owner.wait_placed.remote(ready_timeout_s)
         workers = await owner.get_workers.remote()
         schedulers = await owner.get_schedulers.remote()
         namespace = await owner.get_namespace.remote()

@@ -53,6 +53,7 @@ class WorkerSlot:
     handle: Any
     alive: bool = False
     node_id: str = ""
+    node_ip: str = ""
     report: LoadReport | None = None
     requests_routed: int = 0
     # Being removed: out of routing, but the streams running there stay and finish.
@@ -177,6 +178,7 @@ class WorkerSlots:
             self._on_change(slot.pool)  # waiting requests may now fail or fit elsewhere
             return
         slot.node_id = delta.info.node_id or slot.node_id
+        slot.node_ip = delta.info.node_ip or slot.node_ip
         if delta.report is not None and delta.report.supersedes(slot.report):
             slot.report = delta.report
             self._sample_preemptions(slot.pool)
@@ -270,6 +272,7 @@ def worker_status(slot: WorkerSlot) -> dict[str, Any]:
         "draining": slot.draining,
         "requests_routed": slot.requests_routed,
         "node_id": slot.node_id,
+        "node_ip": slot.node_ip,
         "prefix_query_tokens": r.prefix_query_tokens if r else 0,
         "prefix_hit_tokens": r.prefix_hit_tokens if r else 0,
         "hit_rate": r.hit_rate if r else 0.0,

@@ -495,6 +495,7 @@ class WorkerInfo:
     block_size: int = 16
     node_id: str | None = None
     actor_name: str | None = None
+    node_ip: str | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:

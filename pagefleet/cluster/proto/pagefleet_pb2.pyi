@@ -176,6 +176,7 @@ class WorkerStatus(_message.Message):
         "live_blocks",
         "migrations_out",
         "node_id",
+        "node_ip",
         "num_running",
         "num_waiting",
         "peak_live_blocks",
@@ -203,6 +204,7 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -220,6 +222,7 @@ class WorkerStatus(_message.Message):
     node_id: str
     migrations_out: int
     draining: bool
+    node_ip: str
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -239,6 +242,7 @@ class WorkerStatus(_message.Message):
         node_id: str | None = ...,
         migrations_out: int | None = ...,
         draining: bool | None = ...,
+        node_ip: str | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
