@@ -3,8 +3,9 @@
 `RayNodes` starts a head (`ray start --head --port P`) and adds nodes
 (`ray start --address 127.0.0.1:P --node-manager-port Q`), each with its own
 CPUs, GPUs (advertised: the machine needs none), custom resources and labels.
-Killing a node is a SIGKILL of its raylet, found by its node-manager port:
-every process of that node dies with it, as when a machine goes away.
+Killing a node is a SIGKILL of its raylet, found by its node-manager port,
+and of every process it started: the node's processes all end at once, as
+when a machine goes away.
 
 Everything runs under a private `--temp-dir`, so `stop()` ends exactly the
 processes this cluster started, by pid (never `ray stop`, which ends every Ray
@@ -126,10 +127,14 @@ class RayNodes:
         raise AssertionError(f"node with node-manager port {node.node_manager_port} did not join")
 
     def kill(self, node: Node) -> None:
-        """Node loss: SIGKILL its raylet (its workers, which watch it, die with it)."""
+        """Node loss: SIGKILL its raylet and every process it started (its workers and
+        agents), at once, as when the machine goes away. (A worker process outlives a
+        killed raylet for a while and could finish its streams meanwhile.)"""
         pid = node.raylet_pid()
         assert pid is not None, f"no raylet with node-manager port {node.node_manager_port}"
-        os.kill(pid, signal.SIGKILL)
+        for victim in [pid, *_descendants(pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
         self.nodes.remove(node)
 
     def init(self, namespace: str) -> None:
@@ -193,3 +198,22 @@ def _processes() -> Iterator[tuple[int, list[str]]]:
         except OSError:
             continue
         yield int(entry.name), [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # pid (comm) state ppid ...: comm may hold spaces, so split after it.
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagefleet.cluster.config import ClusterConfig, ConfigError
 from pagefleet.scheduler.autoscale import AutoscalePolicy, PoolAutoscaler, PoolLoad, ScaleDecision
 
 POLICY = AutoscalePolicy(min_workers=1, max_workers=3, free_fraction=0.1, out_after_s=5, in_after_s=20, cooldown_s=10)
@@ -90,4 +91,30 @@ def test_the_start_target_is_clamped_to_the_bounds_and_fixed_pools_are_inactive(
 def test_bad_bounds_are_refused_with_the_limit(kwargs: dict[str, float], error: str) -> None:
     with pytest.raises(ValueError) as exc:
         AutoscalePolicy(**kwargs)  # type: ignore[arg-type]
+    assert str(exc.value) == error
+
+
+def test_a_pool_autoscales_between_min_and_max_workers_given_in_its_config() -> None:
+    config = ClusterConfig.from_dict(
+        {"pools": [{"name": "a", "workers": 2, "min_workers": 1, "max_workers": 4}],
+         "scheduler": {"autoscale_out_after_s": 2, "autoscale_cooldown_s": 5}}
+    )  # fmt: skip
+    pool = config.pools[0]
+    policy = config.scheduler.autoscale_policy(*pool.worker_bounds())
+    assert (policy.min_workers, policy.max_workers, policy.out_after_s, policy.cooldown_s) == (1, 4, 2.0, 5.0)
+    assert ClusterConfig.from_dict({"pools": [{"name": "b", "workers": 3}]}).pools[0].worker_bounds() == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        ({"pools": [{"name": "a", "workers": 2, "max_workers": 1}]},
+         "pools[0].max_workers: need 1 <= min_workers <= workers <= max_workers, got 2, 2, 1"),
+        ({"pools": [{"name": "a"}], "scheduler": {"autoscale_in_after_s": -1}},
+         "scheduler.autoscale_in_after_s: must be >= 0, got -1.0"),
+    ],
+)  # fmt: skip
+def test_bad_autoscaling_config_names_the_field_and_the_limit(data: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        ClusterConfig.from_dict(data)
     assert str(exc.value) == error

@@ -5,8 +5,9 @@ one GPU each (the machine needs none: the pools compute on CPU), one of them
 labelled `pool=acme`. The tenant pool `acme` is pinned there by its
 `node_labels`; the pool `default` (`node_labels: {pool: "!acme"}`) takes one
 GPU per worker on the other two. Later tests kill one of those nodes (SIGKILL
-of its raylet), add a node for the pool to refill onto, and one more for a
-scale-out that cannot complete.
+of its raylet), add a node for the pool to refill onto, and a spare node: a
+scale-out to two more workers cannot complete there, and load grows the
+autoscaled `default` (2 to 3 workers) onto it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ray._private.state import available_resources_per_node
 from ray_nodes import Node, RayNodes, ray_nodes
 
 from pagefleet.cluster.app import INGRESS_NAME, NAMESPACE, RunningCluster, start_cluster
+from pagefleet.cluster.client import build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.membership import Membership, MembershipError
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
@@ -48,6 +50,7 @@ class Fleet:
     acme: Node
     shared: list[Node]
     running: RunningCluster
+    spare: Node | None = None  # joined for the scale tests: room for one more worker
 
     @property
     def target(self) -> str:
@@ -55,10 +58,16 @@ class Fleet:
 
 
 def fleet_config() -> ClusterConfig:
+    """`default` autoscales between 2 and 3 workers on short timers; `acme` has one."""
     base = small_cluster_config(workers=2, policy="round_robin")
-    default = dataclasses.replace(base.pools[0], node_labels={"pool": "!acme"})
-    acme = dataclasses.replace(default, name="acme", workers=1, node_labels={"pool": "acme"})
-    return dataclasses.replace(base, pools=(default, acme))
+    default = dataclasses.replace(base.pools[0], node_labels={"pool": "!acme"}, min_workers=2, max_workers=3)
+    acme = dataclasses.replace(default, name="acme", workers=1, node_labels={"pool": "acme"}, min_workers=None,
+                               max_workers=None)  # fmt: skip
+    scheduler = dataclasses.replace(
+        base.scheduler, autoscale_free_fraction=0.3, autoscale_out_after_s=3.0, autoscale_in_after_s=5.0,
+        autoscale_cooldown_s=2.0,
+    )  # fmt: skip
+    return dataclasses.replace(base, pools=(default, acme), scheduler=scheduler)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +149,7 @@ def test_a_scale_past_the_free_gpus_of_the_pools_nodes_is_refused_before_anythin
 
 PROMPTS = [f"Request {i} keeps streaming while its node goes away" for i in range(4)]
 TENANT_PROMPT = "the tenant's stream runs on its own node"
-MAX_TOKENS = 48
+MAX_TOKENS = 80  # long enough that the node dies under the streams, not after them
 
 
 def _stream(target: str, prompt: str, pool: str = "", on_token: Any = None) -> list[pb.GenerateResponse]:
@@ -220,15 +229,55 @@ def test_the_pool_refills_onto_a_node_that_joins_and_routes_to_the_new_worker(fl
 def test_a_scale_that_cannot_reach_its_target_removes_the_workers_it_added(fleet: Fleet) -> None:
     spare = fleet.nodes.add_node(num_cpus=1, num_gpus=1)  # room for one more worker, not two
     with pytest.raises(MembershipError) as exc:
-        call = fleet.running.membership.scale.remote("default", 4, timeout_s=60.0, wait_for_nodes=True)
+        call = fleet.running.membership.scale.remote("default", 4, timeout_s=40.0, wait_for_nodes=True)
         ray.get(call, timeout=300)
     message = str(exc.value.cause)  # type: ignore[attr-defined]
     assert re.search(r"to 4 failed and was rolled back \(removed default-[34] again; the pool keeps 2\)", message)
-    assert "did not start within 60s" in message
+    assert "did not start within 40s" in message
     wait_for(lambda: len(pool_status(fleet.target).workers) == 2, 60, "only the two workers it had", 0.5)
 
     def spare_free() -> bool:
         return available_resources_per_node().get(spare.node_id, {}).get("GPU") == 1.0
 
     wait_for(spare_free, 60, "the spare node's GPU free again")
+    wait_until_no_block_leaked(_serving(fleet))
+    fleet.spare = spare
+
+
+LOAD_TOKENS = 100
+
+
+def _long_stream(target: str, i: int) -> list[pb.GenerateResponse]:
+    """56 prompt + 100 output tokens: 39 blocks; four of them overfill a worker's 96."""
+    channel, s = stub(target)
+    with channel:
+        prompt = [(i * 31 + j * 7) % 250 + 5 for j in range(56)]
+        req = build_request(prompt, {"max_tokens": LOAD_TOKENS, "ignore_eos": True})
+        return list(s.Generate(req, timeout=600))
+
+
+def _autoscale(fleet: Fleet) -> dict[str, Any]:
+    return dict(ray.get(fleet.running.membership.autoscale_status.remote(), timeout=30)["default"])
+
+
+def test_load_grows_the_pool_onto_a_spare_node_and_idleness_shrinks_it_back(fleet: Fleet) -> None:
+    target, spare = fleet.target, fleet.spare
+    assert spare is not None, "the scale test before adds the spare node"
+    assert _autoscale(fleet) == {"target": 2, "workers": 2, "reason": "configured size"}
+    with concurrent.futures.ThreadPoolExecutor(8) as clients:
+        streams = [clients.submit(_long_stream, target, i) for i in range(8)]
+        wait_for(lambda: _autoscale(fleet)["target"] == 3, 120, "the pool's target grows to 3", 0.5)
+        assert _autoscale(fleet)["reason"].startswith("scale out: ")
+        wait_for(lambda: pool_status(target).target_workers == 3, 30, "GetStatus: target 3", 0.5)
+        assert pool_status(target).scale_reason.startswith("scale out: ")
+        wait_for(lambda: pool_status(target).live_workers == 3, 240, "the third worker serving", 0.5)
+        grown = _nodes_of(target, "default")
+        assert spare.node_id in grown.values()
+        results = [f.result(timeout=600) for f in streams]
+    for got in results:  # no stream lost
+        assert got[-1].finish_reason == "length" and len(tokens_of(got)) == LOAD_TOKENS
+    wait_for(lambda: _autoscale(fleet)["target"] == 2, 120, "the idle pool's target back to 2", 0.5)
+    assert _autoscale(fleet)["reason"].startswith("scale in: idle for ")
+    wait_for(lambda: len(pool_status(target).workers) == 2, 120, "the pool back to two workers", 0.5)
+    assert spare.node_id not in _nodes_of(target, "default").values()
     wait_until_no_block_leaked(_serving(fleet))

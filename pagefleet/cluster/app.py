@@ -42,6 +42,7 @@ from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.membership import (
     CPU_WORKER_NUM_CPUS,
     MembershipError,
+    get_membership,
     start_membership,
     worker_actor_name,
 )
@@ -54,6 +55,7 @@ NAMESPACE = "pagefleet"
 APP_NAME = "pagefleet"
 INGRESS_NAME = "pagefleet-ingress"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+SCALING_POLL_S = 2.0
 
 
 class IngressDeployment:
@@ -85,6 +87,7 @@ class IngressDeployment:
             config, workers, scheduler=schedulers, metrics=self.metrics, resolve_worker=resolve_worker
         )
         self.ingress.start()
+        self._scaling = asyncio.get_running_loop().create_task(self._follow_scaling())
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
             self.ingress, config.server.host, grpc_port, drain=self.drain
@@ -107,6 +110,24 @@ class IngressDeployment:
         self.metrics_port = (
             None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
         )
+
+    async def _follow_scaling(self) -> None:
+        """Every SCALING_POLL_S: each pool's target and actual size from `pagefleet-membership`
+        (GetStatus `target_workers`, `scale_reason`; metric `pool_workers`). Off the
+        routing path; a missing owner leaves the last answer."""
+        while True:
+            try:
+                membership = await asyncio.to_thread(get_membership)
+                scaling = await membership.autoscale_status.remote()
+                self.ingress.pool_scaling = scaling
+                for pool, entry in scaling.items():
+                    self.metrics.pool_workers.labels(pool, "target").set(entry["target"])
+                    self.metrics.pool_workers.labels(pool, "actual").set(entry["workers"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("pool sizes not read from membership: %s", exc)
+            await asyncio.sleep(SCALING_POLL_S)
 
     async def endpoints(self) -> dict[str, Any]:
         """The ports this replica bound (useful when asked for port 0) and its replica id."""
@@ -171,6 +192,7 @@ class IngressDeployment:
         # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
         if not self.drain.draining:
             await self.drain_and_stop(self._drain_timeout_s, hand_off=True)
+        self._scaling.cancel()
         await self.ingress.close()
 
 

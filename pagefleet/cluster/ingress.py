@@ -126,6 +126,8 @@ class Ingress:
         resolve_worker: Callable[[str], Any] | None = None,
     ) -> None:
         self.config = config
+        # Per pool, `Membership.autoscale_status()` as last polled (target, reason): GetStatus.
+        self.pool_scaling: dict[str, dict[str, Any]] = {}
         self.metrics = metrics
         # The pid lets an operator (or a test) find the replica's process from a stream.
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -549,6 +551,9 @@ class Ingress:
             entry["router_policy"] = self.policy
             # Waiting in the pool = in the workers' engine queues + in the ingress's queue.
             entry["num_waiting"] += self.admission.waiting(cfg.name)
+            scaling = self.pool_scaling.get(cfg.name, {})
+            entry["target_workers"] = scaling.get("target", cfg.workers)
+            entry["scale_reason"] = scaling.get("reason", "configured size")
             out.append(entry)
         return out
 

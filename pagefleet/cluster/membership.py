@@ -267,6 +267,11 @@ class Membership:
             await asyncio.sleep(NODE_CHECK_S)
             try:
                 await self._autoscale()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the refill below must run whatever happens here
+                logger.exception("membership: autoscaling the pools failed")
+            try:
                 nodes = await asyncio.to_thread(ray.nodes)
                 alive = {str(n["NodeID"]) for n in nodes if n["Alive"]}
                 for pool, ms in self._members.items():

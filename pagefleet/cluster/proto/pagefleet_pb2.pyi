@@ -259,6 +259,8 @@ class PoolStatus(_message.Message):
         "num_waiting",
         "peak_live_blocks",
         "router_policy",
+        "scale_reason",
+        "target_workers",
         "total_blocks",
         "workers",
     )
@@ -276,6 +278,8 @@ class PoolStatus(_message.Message):
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     router_policy: str
@@ -290,6 +294,8 @@ class PoolStatus(_message.Message):
     live_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     migrations: int
+    target_workers: int
+    scale_reason: str
     def __init__(
         self,
         name: str | None = ...,
@@ -306,6 +312,8 @@ class PoolStatus(_message.Message):
         live_workers: int | None = ...,
         workers: _Iterable[WorkerStatus | _Mapping] | None = ...,
         migrations: int | None = ...,
+        target_workers: int | None = ...,
+        scale_reason: str | None = ...,
     ) -> None: ...
 
 class StatusResponse(_message.Message):
