@@ -111,7 +111,7 @@ def test_a_pool_autoscales_between_min_and_max_workers_given_in_its_config() -> 
         ({"pools": [{"name": "a", "workers": 2, "max_workers": 1}]},
          "pools[0].max_workers: need 1 <= min_workers <= workers <= max_workers, got 2, 2, 1"),
         ({"pools": [{"name": "a"}], "scheduler": {"autoscale_in_after_s": -1}},
-         "scheduler.autoscale_in_after_s: must be >= 0, got -1.0"),
+         "scheduler.autoscale_in_after_s: must be >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_bad_autoscaling_config_names_the_field_and_the_limit(data: dict[str, object], error: str) -> None:

@@ -19,7 +19,7 @@ def _args(**kw: object) -> argparse.Namespace:
 
 def test_serve_without_arguments_uses_two_workers_on_smollm2() -> None:
     config = load_config(_args())
-    assert [(p.model, p.workers) for p in config.pools] == [("smollm2-135m-instruct", 2)]
+    assert [(p.engine.model, p.workers) for p in config.pools] == [("smollm2-135m-instruct", 2)]
 
 
 def test_serve_workers_flag_applies_to_every_pool(tmp_path: Path) -> None:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from pagefleet.cluster.config import ClusterConfig, ConfigError, PoolConfig, parse_bytes
+from pagefleet.cli import main
+from pagefleet.cluster.config import ENGINE_FIELDS, ClusterConfig, ConfigError, PoolConfig
+from pagefleet.cluster.tenancy import Tenancy
 from pagefleet.scheduler.policy import blocks_to_evict
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import LoadReport
+from pagefleet.worker.sizes import parse_bytes
 
-MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "pagefleet.yaml"
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "manifests" / "pagefleet.yaml"
 
 
 def config(**top: Any) -> dict[str, Any]:
@@ -22,19 +33,19 @@ def config(**top: Any) -> dict[str, Any]:
 
 
 def test_example_manifest_loads_with_two_pools_and_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret")
-    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret")
+    monkeypatch.setenv("PAGEFLEET_ACME_KEY", "acme-secret-0123456789abcdef")
+    monkeypatch.setenv("PAGEFLEET_GLOBEX_KEY", "globex-secret-0123456789abcdef")
     cfg = ClusterConfig.from_yaml(MANIFEST)
     assert len(cfg.pools) == 2
     assert len(cfg.tenants) >= 2
-    assert cfg.tenant_for_api_key("acme-secret") is not None
+    assert Tenancy(cfg).tenant_for_api_key("acme-secret-0123456789abcdef") is not None
 
 
 def test_default_config_is_one_open_pool_of_two_workers() -> None:
     cfg = ClusterConfig.default()
-    assert [(p.name, p.workers, p.model) for p in cfg.pools] == [("default", 2, "tiny")]
-    assert cfg.tenant_for_api_key(None) == cfg.tenant("default")
-    assert not cfg.auth_required
+    assert [(p.name, p.workers, p.engine.model) for p in cfg.pools] == [("default", 2, "tiny")]
+    assert Tenancy(cfg).tenant_for_api_key(None) == cfg.tenant("default")
+    assert not Tenancy(cfg).auth_required
 
 
 @pytest.mark.parametrize(
@@ -52,7 +63,7 @@ def test_default_config_is_one_open_pool_of_two_workers() -> None:
         (config(pools=[]), "pools: must list at least one pool"),
         ({"tenants": []}, "pools: must be a list"),
         (config(tenants=[{"name": "t", "pool": "nope"}]), "tenants[0].pool: unknown pool 'nope'"),
-        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k"}, {"name": "u", "pool": "chat", "api_key": "k"}]), "tenants[1].api_key: two tenants share"),
+        (config(tenants=[{"name": "t", "pool": "chat", "api_key": "k-0123456789abcdef"}, {"name": "u", "pool": "chat", "api_key": "k-0123456789abcdef"}]), "tenants[1].api_key: two tenants share"),
         (config(tenants=[{"name": "t", "pool": "chat"}, {"name": "u", "pool": "chat"}]), "tenants: at most one tenant may have no API key"),
         (config(router={"policy": "random"}), "router.policy: must be one of prefix_affinity"),
         (config(router={"w_load": -1}), "router.w_load: must be >= 0, got -1"),
@@ -96,11 +107,11 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("T_KEY", "s3cret")
+    monkeypatch.setenv("T_KEY", "s3cret-0123456789abcdef")
     cfg = ClusterConfig.from_dict(
         config(tenants=[{"name": "t", "pool": "chat", "api_key_env": "T_KEY"}])
     )
-    assert cfg.tenant_for_api_key("s3cret") == cfg.tenant("t")
+    assert Tenancy(cfg).tenant_for_api_key("s3cret-0123456789abcdef") == cfg.tenant("t")
 
 
 def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,32 +124,13 @@ def test_unset_api_key_env_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> Non
         )
 
 
-def test_wrong_or_missing_key_authenticates_nobody_when_all_tenants_have_keys() -> None:
-    cfg = ClusterConfig.from_dict(config(tenants=[{"name": "t", "pool": "chat", "api_key": "k1"}]))
-    assert cfg.auth_required
-    assert cfg.tenant_for_api_key("k2") is None
-    assert cfg.tenant_for_api_key(None) is None
-
-
-def test_any_key_is_the_open_tenant_when_no_tenant_has_a_key() -> None:
-    cfg = ClusterConfig.default()
-    assert cfg.tenant_for_api_key("x") == cfg.tenant_for_api_key(None) == cfg.tenant("default")
-
-
-def test_unknown_key_is_refused_once_any_tenant_has_a_key() -> None:
-    tenants = [{"name": "open", "pool": "chat"}, {"name": "t", "pool": "chat", "api_key": "k1"}]
-    cfg = ClusterConfig.from_dict(config(tenants=tenants))
-    assert cfg.tenant_for_api_key(None) == cfg.tenant("open")
-    assert cfg.tenant_for_api_key("k2") is None
-
-
 def test_tenant_salts_differ_and_an_explicit_salt_wins() -> None:
     cfg = ClusterConfig.from_dict(
         config(
             tenants=[
-                {"name": "a", "pool": "chat", "api_key": "ka"},
-                {"name": "b", "pool": "chat", "api_key": "kb"},
-                {"name": "c", "pool": "chat", "api_key": "kc", "salt": "fixed"},
+                {"name": "a", "pool": "chat", "api_key": "ka-0123456789abcdef"},
+                {"name": "b", "pool": "chat", "api_key": "kb-0123456789abcdef"},
+                {"name": "c", "pool": "chat", "api_key": "kc-0123456789abcdef", "salt": "fixed"},
             ]
         )
     )
@@ -151,25 +143,26 @@ def test_memory_sizes_accept_units() -> None:
     assert parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes(4096) == 4096
     cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_memory": "1GiB"}]))
-    assert cfg.pool("chat").kv_memory_bytes == 2**30
+    assert cfg.pool("chat").engine.kv_memory_bytes == 2**30
 
 
-def test_engine_kwargs_build_an_engine_config() -> None:
-    pool = PoolConfig("chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
-    engine = EngineConfig(**pool.engine_kwargs(device="cpu"))
+def test_a_pools_flat_engine_settings_are_its_engine_config() -> None:
+    pool = PoolConfig(name="chat", block_size=32, num_kv_blocks=128, max_num_seqs=8)
+    engine = pool.engine
+    assert isinstance(engine, EngineConfig)
     assert (engine.block_size, engine.num_kv_blocks, engine.max_num_seqs) == (32, 128, 8)
 
 
 def test_kv_cache_dtype_comes_from_yaml_into_the_engine_config() -> None:
     cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_cache_dtype": "float16"}]))
-    assert EngineConfig(**cfg.pool("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "float16"
-    assert EngineConfig(**PoolConfig("chat").engine_kwargs(device="cpu")).kv_cache_dtype == "auto"
+    assert cfg.pool("chat").engine.kv_cache_dtype == "float16"
+    assert PoolConfig(name="chat").engine.kv_cache_dtype == "auto"
 
 
-def test_engine_kwargs_leave_unset_limits_to_the_engine() -> None:
-    kwargs = PoolConfig("chat").engine_kwargs(device="cpu")
-    assert "max_num_seqs" not in kwargs
-    assert EngineConfig(**kwargs).max_num_seqs == EngineConfig().max_num_seqs
+def test_unset_engine_settings_keep_the_engines_defaults() -> None:
+    engine = PoolConfig(name="chat").engine
+    assert engine == EngineConfig()
+    assert engine.max_num_seqs == EngineConfig().max_num_seqs
 
 
 def test_cli_overrides_apply_to_every_pool_and_are_validated() -> None:
@@ -293,3 +286,246 @@ def test_admission_defaults_to_the_full_request_and_bad_values_name_the_field() 
         ClusterConfig.from_dict(
             {"pools": [{"name": "a"}], "scheduler": {"admission_overcommit": 0.5}}
         )
+
+
+# ----- types, unknown fields, byte sizes -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (config(pools=[{"name": "chat", "block_size": "16"}]), "pools[0].block_size: must be int, got str '16'"),
+        (config(pools=[{"name": "chat", "workers": True}]), "pools[0].workers: must be int, got bool True"),
+        (config(pools=[{"name": "chat", "enable_prefix_caching": "yes"}]), "pools[0].enable_prefix_caching: must be bool, got str 'yes'"),
+        (config(pools=["chat"]), "pools[0]: must be a mapping, got str 'chat'"),
+        (config(scheduler={"report_interval_s": "fast"}), "scheduler.report_interval_s: must be float, got str 'fast'"),
+        (config(router={"share_routes": 1}), "router.share_routes: must be bool, got int 1"),
+        (config(server={"http_port": 80.5}), "server.http_port: must be int, got float 80.5"),
+        (config(tenants={"name": "t", "pool": "chat"}), "tenants: must be a list, got dict"),
+        (config(scheduler=[1]), "scheduler: must be a mapping, got list"),
+    ],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_named_with_its_type(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_dict(data)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        (config(server={"prot": 1}), "server.prot"),
+        (config(router={"weight": 1}), "router.weight"),
+        (config(tenants=[{"name": "t", "pool": "chat", "key": "k"}]), "tenants[0].key"),
+        (config(pools=[{"name": "a"}, {"name": "b", "kv_memry": "1G"}]), "pools[1].kv_memry"),
+    ],
+)  # fmt: skip
+def test_an_unknown_field_is_named_at_its_path(data: dict[str, Any], path: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: unknown field \(known: "):
+        ClusterConfig.from_dict(data)
+
+
+def test_an_unknown_pool_field_lists_the_pools_and_the_engines_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", "wrkers": 2}]))
+    known = str(info.value).split("(known: ")[1].rstrip(")").split(", ")
+    assert {"name", "workers", "device", "kv_memory", "kv_offload"} <= set(known)
+    assert set(ENGINE_FIELDS) <= set(known)
+    assert "engine" not in known
+
+
+def test_engine_settings_are_written_flat_in_the_pool_not_nested() -> None:
+    with pytest.raises(ConfigError, match=r"^pools\[0\]\.engine: unknown field"):
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", "engine": {"block_size": 32}}]))
+
+
+EIGHT_GIB = 8 * 2**30
+
+
+@pytest.mark.parametrize("size", ["8G", "8GiB", "8 GiB", "8192MiB", "8g", EIGHT_GIB, str(EIGHT_GIB)])
+@pytest.mark.parametrize("field", ["kv_memory", "kv_memory_bytes", "kv_offload", "swap_space_bytes"])
+def test_every_pool_byte_field_reads_every_spelling(field: str, size: int | str) -> None:
+    pool = ClusterConfig.from_dict(config(pools=[{"name": "chat", field: size}])).pool("chat")
+    assert getattr(pool.engine, field if field.endswith("_bytes") else f"{field}_bytes") == EIGHT_GIB
+
+
+@pytest.mark.parametrize(("size", "expected"), [("2GB", 2 * 10**9), ("1.5GB", 1_500_000_000), ("512KB", 512_000)])
+def test_decimal_units_are_powers_of_ten(size: str, expected: int) -> None:
+    pool = ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_memory": size}])).pool("chat")
+    assert pool.engine.kv_memory_bytes == expected
+
+
+@pytest.mark.parametrize("size", ["1M", "1MiB", "1024KiB", 2**20])
+@pytest.mark.parametrize("field", ["max_message_bytes", "max_body_bytes"])
+def test_server_byte_limits_read_every_spelling(field: str, size: int | str) -> None:
+    server = ClusterConfig.from_dict(config(server={field: size})).server
+    assert getattr(server, field) == 2**20
+
+
+@pytest.mark.parametrize("size", ["lots", "-1GiB", "8 GiBs", "1e9", 1.5])
+def test_a_bad_byte_size_names_the_field(size: object) -> None:
+    with pytest.raises(ConfigError, match=r"^pools\[0\]\.kv_memory_bytes: "):
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_memory": size}]))
+
+
+def test_a_byte_field_takes_one_spelling_of_its_name() -> None:
+    with pytest.raises(ConfigError, match=r"^pools\[0\]\.kv_offload: give kv_offload or kv_offload_bytes"):
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", "kv_offload": "1G", "kv_offload_bytes": 5}]))
+
+
+@pytest.mark.parametrize("budget", ["8G", "8GiB", "8192MiB", str(EIGHT_GIB)])
+def test_plan_budget_reads_the_same_spellings_as_the_config(
+    budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--budget", budget, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget_bytes"] == EIGHT_GIB
+
+
+def test_generate_kv_memory_refuses_a_bad_size_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--model", "tiny", "--kv-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagefleet generate: error: --kv-memory: expected a byte size")
+    assert "\n" not in err
+
+
+# ----- the engine's rules, at the pool's path ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        ({"kv_offload": "1GiB", "enable_prefix_caching": False}, "pools[0].kv_offload_bytes: needs enable_prefix_caching"),
+        ({"cpu_kv_memory_fraction": 0.95}, "pools[0].cpu_kv_memory_fraction: must be in (0, 0.9], got 0.95"),
+        ({"gpu_memory_utilization": 0}, "pools[0].gpu_memory_utilization: must be in (0, 1], got 0"),
+        ({"max_num_seqs": 0}, "pools[0].max_num_seqs: must be >= 1, got 0"),
+        ({"max_model_len": 1}, "pools[0].max_model_len: must be >= 2, got 1"),
+        ({"preemption_mode": "drop"}, "pools[0].preemption_mode: must be one of ('recompute', 'swap', 'auto'), got 'drop'"),
+        ({"seed": "7"}, "pools[0].seed: must be int, got str '7'"),
+    ],
+)  # fmt: skip
+def test_the_engines_own_rules_are_reported_at_the_pool_path(pool: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", **pool}]))
+    assert str(info.value).startswith(message)
+
+
+def test_a_pools_engine_errors_equal_the_engines_own() -> None:
+    with pytest.raises(ValueError) as engine:
+        EngineConfig(num_kv_blocks=0)
+    with pytest.raises(ConfigError) as pool:
+        ClusterConfig.from_dict(config(pools=[{"name": "chat", "num_kv_blocks": 0}]))
+    assert str(engine.value) == "num_kv_blocks must be >= 1, got 0"
+    assert str(pool.value) == "pools[0].num_kv_blocks: must be >= 1, got 0"
+
+
+def test_every_engine_field_but_the_per_worker_ones_is_a_pool_field() -> None:
+    per_worker = {"device", "tenant_max_live_blocks"}
+    assert set(ENGINE_FIELDS) == {f.name for f in dataclasses.fields(EngineConfig)} - per_worker
+    pool = ClusterConfig.from_dict(config(pools=[{"name": "chat", "seed": 7, "gpu_memory_utilization": 0.5}]))
+    assert (pool.pool("chat").engine.seed, pool.pool("chat").engine.gpu_memory_utilization) == (7, 0.5)
+
+
+def test_a_model_override_keeps_the_pools_other_engine_settings() -> None:
+    cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "block_size": 32, "kv_memory": "1G"}]))
+    engine = cfg.with_overrides(model="smollm2-135m-instruct").pool("chat").engine
+    assert (engine.model, engine.block_size, engine.kv_memory_bytes) == ("smollm2-135m-instruct", 32, 2**30)
+
+
+def test_replace_validates_the_copy_and_names_the_field() -> None:
+    cfg = ClusterConfig.from_dict(config())
+    assert cfg.replace(server={"http_port": None}).server.http_port is None
+    assert cfg.replace(server={"http_port": None}).server.grpc_port == cfg.server.grpc_port
+    with pytest.raises(ConfigError, match=r"^server\.http_port: must differ from grpc_port"):
+        cfg.replace(server={"http_port": cfg.server.grpc_port})
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_position(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("pools:\n  - {name: chat\n")
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml(path)
+    assert "\n" not in str(info.value) and "line 3" in str(info.value)
+
+
+# ----- pagefleet serve --config F --check ----------------------------------------------------
+
+
+def check(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "pagefleet", "serve", "--config", str(path), *flags, "--check"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+
+
+def test_check_prints_the_resolved_config_with_every_default_and_exits_0(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools:\n  - {name: chat, workers: 3, kv_memory: 512MiB}\n")
+    done = check(path)
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)
+    assert list(resolved) == ["pools", "tenants", "router", "scheduler", "server"]
+    (pool,) = resolved["pools"]
+    assert (pool["name"], pool["workers"], pool["kv_memory_bytes"]) == ("chat", 3, 512 * 2**20)
+    assert pool["max_num_seqs"] == EngineConfig().max_num_seqs and pool["device"] == "auto"
+    assert resolved["tenants"] == [
+        {"name": "default", "pool": "chat", "salt": None, "api_key": None, "api_key_env": None,
+         "weight": 1.0, "max_live_blocks": None},
+    ]  # fmt: skip
+    assert resolved["scheduler"]["report_timeout_s"] == 3.0
+    assert resolved["server"]["max_body_bytes"] == 4 * 2**20
+
+
+def test_the_resolved_config_loads_as_the_same_config(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "pools:\n"
+        "  - {name: chat, model: tiny, workers: 2, block_size: 32, kv_memory: 1G, kv_offload: 2GB}\n"
+        "  - {name: batch, workers: 1, max_num_seqs: 8, device: cpu, num_gpus_per_worker: 0}\n"
+        "tenants: [{name: open, pool: chat, weight: 2, max_live_blocks: 64}]\n"
+        "router: {policy: round_robin, w_prefill: 2}\n"
+        "scheduler: {shards: 2, migration_transfer: true}\n"
+        "server: {http_port: null, max_body_bytes: 1MiB}\n"
+    )
+    done = check(path)
+    assert done.returncode == 0, done.stderr
+    assert ClusterConfig.from_dict(yaml.safe_load(done.stdout)) == ClusterConfig.from_yaml(path)
+
+
+def test_check_applies_the_command_line_flags(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools:\n  - {name: chat}\n")
+    done = check(path, "--workers", "4", "--http-port", "-1", "--grpc-port", "6000")
+    resolved = yaml.safe_load(done.stdout)
+    assert resolved["pools"][0]["workers"] == 4
+    assert (resolved["server"]["http_port"], resolved["server"]["grpc_port"]) == (None, 6000)
+
+
+def test_check_hides_api_keys(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("pools: [{name: chat}]\ntenants: [{name: t, pool: chat, api_key: sk-secret-1-0123456789}]\n")
+    done = check(path)
+    assert done.returncode == 0, done.stderr
+    assert "sk-secret-1-0123456789" not in done.stdout
+    assert yaml.safe_load(done.stdout)["tenants"][0]["api_key"] == "<hidden>"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("pools:\n  - {name: chat, workers: 0}\n", "pools[0].workers: must be >= 1, got 0"),
+        ("pools:\n  - {name: chat, kv_memory: lots}\n", "pools[0].kv_memory_bytes: expected a byte size"),
+        ("pools: [{name: chat}]\nserver: {grpc_prot: 1}\n", "server.grpc_prot: unknown field"),
+        ("pools:\n  - {name: chat\n", "not valid YAML (line 3"),
+    ],
+)
+def test_check_of_a_bad_config_exits_2_with_one_line_naming_the_field(
+    tmp_path: Path, text: str, field: str
+) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    done = check(path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("pagefleet serve: error: invalid config: ") and field in line

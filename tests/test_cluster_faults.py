@@ -52,7 +52,7 @@ from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
-KEY_ACME, KEY_BETA, KEY_GAMMA = "sk-acme-faults", "sk-beta-faults", "sk-gamma-faults"
+KEY_ACME, KEY_BETA, KEY_GAMMA = "sk-acme-faults-0123456789abcdef", "sk-beta-faults-0123456789abcdef", "sk-gamma-faults-0123456789abcdef"
 MAX_MODEL_LEN = 160
 LONG_MODEL_LEN = 2048
 DRAIN_TIMEOUT_S = 8.0

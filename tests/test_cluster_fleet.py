@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 import signal
 import time
@@ -46,11 +45,7 @@ REPLICA_KEY = "x-pagefleet-replica"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
     base = small_cluster_config()
-    config = dataclasses.replace(
-        base,
-        server=dataclasses.replace(base.server, ingress_replicas=2),
-        scheduler=dataclasses.replace(base.scheduler, index_check_interval_s=1.0),
-    )
+    config = base.replace(server={"ingress_replicas": 2}, scheduler={"index_check_interval_s": 1.0})
     running = start_cluster(config, grpc_port=0)
     try:
         yield running

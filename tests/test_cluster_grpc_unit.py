@@ -7,28 +7,23 @@ import asyncio
 
 import pytest
 
-from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError, api_key_from_metadata
+from pagefleet.cluster.api import (
+    ErrorCode,
+    GenerationRequest,
+    IngressError,
+    Target,
+    api_key_from_metadata,
+)
 from pagefleet.cluster.client import build_request, format_status, sampling_to_proto
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.grpc_server import request_from_proto
+from pagefleet.cluster.grpc_server import request_from_proto, status_to_proto
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.cluster.status import PoolStatus, WorkerStatus
 from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
-
-
-def _keyed_config() -> ClusterConfig:
-    return ClusterConfig.from_dict(
-        {
-            "pools": [{"name": "a"}, {"name": "b"}],
-            "tenants": [
-                {"name": "alice", "pool": "a", "api_key": "k-alice"},
-                {"name": "bob", "pool": "b", "api_key": "k-bob", "salt": "bob-salt"},
-            ],
-        }
-    )
 
 
 def test_unset_sampling_fields_take_the_engine_defaults() -> None:
@@ -56,7 +51,7 @@ def test_client_request_round_trips_through_the_server_validation() -> None:
     req = request_from_proto(build_request([1, 2, 3], params, request_id="r1", pool="a"))
     assert req.prompt == (1, 2, 3)
     assert req.params == params
-    assert (req.request_id, req.pool) == ("r1", "a")
+    assert (req.request_id, req.target) == ("r1", Target("a"))
 
 
 def test_sampling_to_proto_accepts_a_mapping_and_overrides() -> None:
@@ -79,38 +74,6 @@ def test_api_key_comes_from_x_api_key_or_a_bearer_token(
     assert api_key_from_metadata(metadata) == key
 
 
-def test_unknown_api_key_is_unauthenticated() -> None:
-    ingress = Ingress(_keyed_config(), {})
-    with pytest.raises(IngressError) as err:
-        ingress.authenticate("wrong")
-    assert err.value.code is ErrorCode.UNAUTHENTICATED
-    with pytest.raises(IngressError):
-        ingress.authenticate(None)
-
-
-def test_tenant_runs_in_its_own_pool_and_another_pool_answers_like_an_unknown_one() -> None:
-    ingress = Ingress(_keyed_config(), {})
-    bob = ingress.authenticate("k-bob")
-    assert bob.cache_salt() == "bob-salt"
-    assert ingress.tenant_pool(bob, "") == "b"
-    with pytest.raises(IngressError) as other:
-        ingress.tenant_pool(bob, "a")
-    with pytest.raises(IngressError) as unknown:
-        ingress.tenant_pool(bob, "zz")
-    assert other.value.code is unknown.value.code is ErrorCode.NOT_FOUND
-    assert other.value.message.replace("'a'", "'zz'") == unknown.value.message
-
-
-def test_open_cluster_lets_a_request_choose_any_known_pool() -> None:
-    config = ClusterConfig.from_dict({"pools": [{"name": "a"}, {"name": "b"}]})
-    ingress = Ingress(config, {})
-    tenant = ingress.authenticate(None)
-    assert ingress.tenant_pool(tenant, "b") == "b"
-    with pytest.raises(IngressError) as err:
-        ingress.tenant_pool(tenant, "c")
-    assert err.value.code is ErrorCode.NOT_FOUND
-
-
 def test_pool_without_live_workers_is_unavailable() -> None:
     ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a"}]}), {})
     with pytest.raises(IngressError) as err:
@@ -122,9 +85,7 @@ def test_pool_without_live_workers_is_unavailable() -> None:
 
 
 def _request(request_id: str) -> GenerationRequest:
-    return GenerationRequest.create(
-        request_id=request_id, prompt=[1, 2, 3], sampling={}, tenant="default"
-    )
+    return GenerationRequest(request_id, (1, 2, 3), SamplingParams(), tenant="default")
 
 
 def _two_full_workers() -> Ingress:
@@ -150,11 +111,11 @@ def test_requests_beyond_the_workers_room_wait_and_leave_in_fifo_order() -> None
         assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # one each
         waiting = [ingress.admission.admit(pool, _request(r), [1, 2, 3]) for r in ("r3", "r4")]
         assert not any(isinstance(w, WorkerSlot) for w in waiting)
-        assert ingress.status("a")[0]["num_waiting"] == 2
+        assert ingress.status("a")[0].num_waiting == 2
         ingress.admission.release(first, _request("r1").key)  # r1 finished
         w3, w4 = (w for w in waiting if not isinstance(w, WorkerSlot))
         assert w3.future.result() is first and not w4.future.done()
-        assert ingress.status("a")[0]["num_waiting"] == 1
+        assert ingress.status("a")[0].num_waiting == 1
 
     asyncio.run(scenario())
 
@@ -183,7 +144,7 @@ def test_aborting_a_waiting_request_ends_it_and_frees_its_place() -> None:
         assert not isinstance(waiter, WorkerSlot)
         assert await ingress.abort("r3", tenant="default")
         assert waiter.future.result() is None  # generate() ends the stream with "abort"
-        assert ingress.status("a")[0]["num_waiting"] == 0
+        assert ingress.status("a")[0].num_waiting == 0
 
     asyncio.run(scenario())
 
@@ -218,12 +179,33 @@ def test_text_prompt_for_a_model_without_tokenizer_is_invalid_argument(tmp_path)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(ensure_tiny_model() / name, tmp_path / name)
     ingress = Ingress(ClusterConfig.from_dict({"pools": [{"name": "a", "model": str(tmp_path)}]}), {})
-    req = GenerationRequest.create(request_id="r0", prompt="hello", sampling={})
+    tenant = ingress.tenancy.authenticate(None)
 
     async def first() -> None:
-        await anext(ingress.generate(req))
+        await anext(ingress.submit(tenant, Target(), "hello", SamplingParams()))
 
     with pytest.raises(IngressError) as err:
         asyncio.run(first())
     assert err.value.code is ErrorCode.INVALID_ARGUMENT
     assert "prompt_token_ids" in err.value.message
+
+
+def test_get_status_carries_every_counter_of_the_typed_status() -> None:
+    worker = WorkerStatus(
+        "p-0", "p", alive=True, node_id="n1", total_blocks=8, free_blocks=5, live_blocks=2,
+        cached_blocks=1, peak_live_blocks=3, num_running=1, num_waiting=2, prefix_query_tokens=10,
+        prefix_hit_tokens=4, hit_rate=0.4, requests_routed=7, migrations_out=1, draining=True,
+    )  # fmt: skip
+    pool = PoolStatus(
+        "p", "tiny", "prefix_affinity", live_workers=1, hit_rate=0.4, migrations=1,
+        total_blocks=8, free_blocks=5, live_blocks=2, cached_blocks=1, peak_live_blocks=3,
+        num_running=1, num_waiting=4, preemptions=0, evictions=0, workers=(worker,),
+    )  # fmt: skip
+    msg = status_to_proto([pool]).pools[0]
+    assert (msg.name, msg.model, msg.router_policy, msg.num_waiting, msg.migrations) == (
+        "p", "tiny", "prefix_affinity", 4, 1
+    )
+    w = msg.workers[0]
+    assert (w.worker_id, w.node_id, w.live_blocks, w.requests_routed, w.hit_rate, w.draining) == (
+        "p-0", "n1", 2, 7, 0.4, True
+    )

@@ -13,7 +13,6 @@ autoscaled `default` (2 to 3 workers) onto it.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import re
 import time
 from collections.abc import Iterator
@@ -60,14 +59,14 @@ class Fleet:
 def fleet_config() -> ClusterConfig:
     """`default` autoscales between 2 and 3 workers on short timers; `acme` has one."""
     base = small_cluster_config(workers=2, policy="round_robin")
-    default = dataclasses.replace(base.pools[0], node_labels={"pool": "!acme"}, min_workers=2, max_workers=3)
-    acme = dataclasses.replace(default, name="acme", workers=1, node_labels={"pool": "acme"}, min_workers=None,
+    default = base.pools[0].replace(node_labels={"pool": "!acme"}, min_workers=2, max_workers=3)
+    acme = default.replace(name="acme", workers=1, node_labels={"pool": "acme"}, min_workers=None,
                                max_workers=None)  # fmt: skip
-    scheduler = dataclasses.replace(
-        base.scheduler, autoscale_free_fraction=0.3, autoscale_out_after_s=3.0, autoscale_in_after_s=5.0,
+    scheduler = base.scheduler.replace(
+        autoscale_free_fraction=0.3, autoscale_out_after_s=3.0, autoscale_in_after_s=5.0,
         autoscale_cooldown_s=2.0,
     )  # fmt: skip
-    return dataclasses.replace(base, pools=(default, acme), scheduler=scheduler)
+    return base.replace(pools=(default, acme), scheduler=scheduler)
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +118,15 @@ def test_the_scheduler_membership_and_ingress_run_on_the_head_node(fleet: Fleet)
 def test_a_pool_that_cannot_be_placed_fails_naming_its_labels_and_what_each_node_has(
     fleet: Fleet,
 ) -> None:
-    ghost = dataclasses.replace(fleet_config().pools[1], name="ghost", node_labels={"pool": "beta"})
-    config = dataclasses.replace(fleet_config(), pools=(ghost,), tenants=())
+    ghost = fleet_config().pools[1].replace(name="ghost", node_labels={"pool": "beta"})
+    config = fleet_config().replace(pools=(ghost,), tenants=())
     owner = ray.remote(Membership).options(name="ghost-membership", num_cpus=0).remote(
         config, NAMESPACE, fleet.running.schedulers
     )
     try:
-        with pytest.raises(MembershipError) as exc:
-            ray.get(owner.wait_placed.remote(3.0), timeout=60)
+        message = ray.get(owner.wait_loaded.remote(3.0), timeout=60)
     finally:
         ray.kill(owner, no_restart=True)  # its pending worker ends with it
-    message = str(exc.value.cause)  # type: ignore[attr-defined]  # Ray's wrapper keeps the cause
     assert "pool 'ghost': 1 worker(s) cannot be placed: each asks Ray for 1 CPU and 1 GPU on a node " \
         "labelled {pool: beta}; the cluster has node " in message
     assert f"node {fleet.acme.node_id[:8]} (" in message and "labels {pool: acme}: 0/1 CPU, 0/1 GPU free" in message

@@ -24,17 +24,17 @@ from cluster_fixtures import pool_status, wait_for
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
-from pagefleet.cluster.api import ErrorCode, IngressError
+from pagefleet.cluster.api import IngressError
 from pagefleet.cluster.app import RunningCluster, start_cluster
-from pagefleet.cluster.config import ClusterConfig, TenantConfig
-from pagefleet.cluster.openai_http import chat_prompt, parse_request, resolve_pool
+from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.openai.protocol import chat_prompt, parse_request
 from pagefleet.commands.serve import check_port_free, load_config
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 128
 MAX_MODEL_LEN = 1024  # room for the long request the disconnect test abandons
-KEY_ACME = "sk-acme-test"
-KEY_GLOBEX = "sk-globex-test"
+KEY_ACME = "sk-acme-test-0123456789abcdef"
+KEY_GLOBEX = "sk-globex-test-0123456789abcdef"
 PROMPT = "The quick brown fox"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -84,8 +84,8 @@ def test_chat_without_template_joins_role_lines_and_ends_with_assistant() -> Non
 def test_parse_accepts_a_stop_string_and_a_batch_of_one_prompt() -> None:
     parsed = parse_request({"prompt": ["Hello"], "stop": "\n", "temperature": 0}, chat=False)
     assert parsed.prompt == "Hello"
-    assert parsed.sampling["stop"] == ("\n",)
-    assert parsed.sampling["temperature"] == 0.0
+    assert parsed.params.stop == ("\n",)
+    assert parsed.params.temperature == 0.0
 
 
 def test_parse_takes_vllms_priority_extension_and_checks_its_type() -> None:
@@ -107,14 +107,25 @@ def test_parse_rejects_a_batch_of_two_prompts() -> None:
         parse_request({"prompt": ["a", "b"]}, chat=False)
 
 
-def test_model_name_of_a_pool_resolves_to_the_tenants_pool() -> None:
-    config = openai_cluster_config()
-    assert resolve_pool(config, "tiny", config.tenant("globex")) == "other"
-    with pytest.raises(IngressError) as other:  # another tenant's pool: as if it did not exist
-        resolve_pool(config, "default", config.tenant("globex"))
-    assert other.value.code is ErrorCode.NOT_FOUND
-    assert other.value.message == "model 'default' does not exist"
-    assert resolve_pool(config, "", TenantConfig("x", "other")) == "other"
+def test_parse_refuses_a_bool_posing_as_a_number_naming_the_field() -> None:
+    with pytest.raises(IngressError, match=r"temperature must be a number >= 0, got True"):
+        parse_request({"prompt": "Hello", "temperature": True}, chat=False)
+
+
+def test_parse_refuses_an_unsupported_field_unless_it_is_neutral() -> None:
+    assert parse_request({"prompt": "Hello", "echo": False}, chat=False).prompt == "Hello"
+    with pytest.raises(IngressError, match=r"echo is not supported by this server \(got True\)"):
+        parse_request({"prompt": "Hello", "echo": True}, chat=False)
+
+
+def test_parse_reads_chat_logprobs_and_max_completion_tokens() -> None:
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 5,
+    }  # fmt: skip
+    parsed = parse_request(body, chat=True)
+    assert parsed.prompt == [{"role": "user", "content": "Hi"}]
+    assert (parsed.params.logprobs, parsed.params.max_tokens) == (2, 5)
 
 
 def _serve_args(**kw: object) -> argparse.Namespace:
@@ -329,7 +340,7 @@ def test_models_lists_the_tenants_pool(http: httpx.Client) -> None:
 def test_health_is_ok_while_every_pool_has_a_live_worker(http: httpx.Client) -> None:
     r = http.get("/health")
     assert r.status_code == 200
-    assert r.json()["live_workers"] == {"default": 2, "other": 1}
+    assert r.json()["live_workers"] == {"default": 2}  # acme's key: its own pool only
 
 
 def test_unknown_model_is_404_with_an_openai_error(http: httpx.Client) -> None:

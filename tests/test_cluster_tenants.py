@@ -47,8 +47,8 @@ def _config() -> ClusterConfig:
                 }
             ],
             "tenants": [
-                {"name": "a", "pool": "shared", "api_key": "key-a"},
-                {"name": "b", "pool": "shared", "api_key": "key-b", "max_live_blocks": B_CAP},
+                {"name": "a", "pool": "shared", "api_key": "key-a-0123456789abcdef"},
+                {"name": "b", "pool": "shared", "api_key": "key-b-0123456789abcdef", "max_live_blocks": B_CAP},
             ],
             "scheduler": {
                 "report_interval_s": 0.2,
@@ -82,7 +82,7 @@ def _run(target: str, api_key: str, prompt: str, max_tokens: int) -> str:
 
 
 def _outstanding(target: str) -> int:
-    p = pool_status(target, "shared", api_key="key-a")
+    p = pool_status(target, "shared", api_key="key-a-0123456789abcdef")
     return int(p.num_running + p.num_waiting)
 
 
@@ -105,7 +105,7 @@ def test_while_a_floods_the_shared_pool_b_is_admitted_and_finishes(cluster: Runn
     flood_size = capacity + WAIT_QUEUE  # what the whole queue would hold without shares
     with concurrent.futures.ThreadPoolExecutor(flood_size + 3) as pool:
         flood = [
-            pool.submit(_run, target, "key-a", f"flood {i}", FLOOD_TOKENS) for i in range(flood_size)
+            pool.submit(_run, target, "key-a-0123456789abcdef", f"flood {i}", FLOOD_TOKENS) for i in range(flood_size)
         ]
         # a holds every slot and its half of the queue; the rest of its flood is refused.
         wait_for(
@@ -114,7 +114,7 @@ def test_while_a_floods_the_shared_pool_b_is_admitted_and_finishes(cluster: Runn
             "a's flood running and waiting, its excess refused",
         )
         assert _outstanding(target) > 0, "a's flood ended before b arrived: make it longer"
-        b = [pool.submit(_run, target, "key-b", f"b's turn {i}", 4) for i in range(3)]
+        b = [pool.submit(_run, target, "key-b-0123456789abcdef", f"b's turn {i}", 4) for i in range(3)]
         b_results = [f.result(timeout=240) for f in b]
         a_results = [f.result(timeout=240) for f in flood]
     assert b_results == ["length"] * 3
@@ -133,15 +133,15 @@ def test_the_ingress_exports_per_tenant_refusals_and_live_blocks(cluster: Runnin
     assert 'tenant_requests_refused_total{pool="shared",reason="queue_share",tenant="a"} 4.0' in body
     assert 'tenant_kv_blocks_live{pool="shared",tenant="a",worker="shared-0"}' in body
     assert "tenant_kv_block_cap_refusals_total" in body
-    assert "key-b" not in body and "tenant:b" not in body  # no key, no salt
+    assert "key-b-0123456789abcdef" not in body and "tenant:b" not in body  # no key, no salt
 
 
 def test_a_request_larger_than_the_tenant_s_block_cap_is_invalid_naming_the_cap(
     cluster: RunningCluster,
 ) -> None:
     # 10 + 150 tokens need 40 blocks of 4: more than b's 32 on any worker.
-    result = _run(cluster.grpc_target, "key-b", "too big for b", 150)
+    result = _run(cluster.grpc_target, "key-b-0123456789abcdef", "too big for b", 150)
     assert result.startswith("INVALID_ARGUMENT")
     assert f"max_live_blocks is {B_CAP}" in result
-    assert _run(cluster.grpc_target, "key-a", "a has no cap", 150) == "length"
+    assert _run(cluster.grpc_target, "key-a-0123456789abcdef", "a has no cap", 150) == "length"
     _pools_end_clean(cluster)

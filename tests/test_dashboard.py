@@ -6,7 +6,7 @@ from starlette.testclient import TestClient
 
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.ingress import Ingress
-from pagefleet.cluster.openai_http import build_app
+from pagefleet.cluster.openai import build_app
 
 
 def _client(tenants: list[dict[str, str]]) -> TestClient:
@@ -28,7 +28,7 @@ def test_dashboard_state_lists_the_pools() -> None:
 
 
 def test_dashboard_state_needs_a_key_when_every_tenant_has_one() -> None:
-    client = _client([{"name": "acme", "pool": "chat", "api_key": "k1"}])
+    client = _client([{"name": "acme", "pool": "chat", "api_key": "k1-0123456789abcdef"}])
     assert client.get("/dashboard/state").status_code == 401
-    ok = client.get("/dashboard/state", headers={"authorization": "Bearer k1"})
+    ok = client.get("/dashboard/state", headers={"authorization": "Bearer k1-0123456789abcdef"})
     assert ok.status_code == 200 and ok.json()["pools"][0]["name"] == "chat"

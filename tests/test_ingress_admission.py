@@ -16,6 +16,7 @@ from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
+from pagefleet.worker.sampling_params import SamplingParams
 
 # 3 prompt tokens + 64 max_tokens = 66 tokens written: 5 blocks of 16.
 CLAIM = 5
@@ -57,9 +58,8 @@ def report(
 
 
 def request(request_id: str, priority: int = 0, tenant: str = "default") -> GenerationRequest:
-    return GenerationRequest.create(
-        request_id=request_id, prompt=[1, 2, 3], sampling={"max_tokens": 64},
-        pool="a", priority=priority, tenant=tenant,
+    return GenerationRequest(
+        request_id, (1, 2, 3), SamplingParams(max_tokens=64), priority, pool="a", tenant=tenant
     )
 
 

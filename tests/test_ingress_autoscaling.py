@@ -8,7 +8,6 @@ the offline output.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from collections.abc import Iterator
@@ -75,14 +74,13 @@ def test_a_fixed_count_or_autoscaling_and_the_limits_named() -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
     base = small_cluster_config(workers=1)
-    config = dataclasses.replace(
-        base,
-        server=dataclasses.replace(
-            base.server, ingress_replicas=1, ingress_max_replicas=2, ingress_target_streams=2,
-            ingress_upscale_delay_s=0.0, ingress_downscale_delay_s=2.0,
-        ),
+    config = base.replace(
+        server={
+            "ingress_replicas": 1, "ingress_max_replicas": 2, "ingress_target_streams": 2,
+            "ingress_upscale_delay_s": 0.0, "ingress_downscale_delay_s": 2.0,
+        },
         # The streams wait on a stopped worker: they must stay, not move.
-        scheduler=dataclasses.replace(base.scheduler, stall_timeout_s=600.0),
+        scheduler={"stall_timeout_s": 600.0},
     )  # fmt: skip
     running = start_cluster(config, grpc_port=0)
     try:

@@ -16,6 +16,7 @@ from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
+from pagefleet.worker.sampling_params import SamplingParams
 
 
 def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingress:
@@ -24,8 +25,8 @@ def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingre
         {
             "pools": [{"name": "shared", "max_num_seqs": 1}],
             "tenants": [
-                {"name": "a", "pool": "shared", "api_key": "ka", "weight": weights[0]},
-                {"name": "b", "pool": "shared", "api_key": "kb", "weight": weights[1]},
+                {"name": "a", "pool": "shared", "api_key": "ka-0123456789abcdef", "weight": weights[0]},
+                {"name": "b", "pool": "shared", "api_key": "kb-0123456789abcdef", "weight": weights[1]},
             ],
             "scheduler": {"wait_queue_size": queue},
         }
@@ -38,9 +39,7 @@ def _shared_pool(weights: tuple[float, float] = (1, 1), queue: int = 4) -> Ingre
 
 
 def _request(tenant: str, request_id: str) -> GenerationRequest:
-    return GenerationRequest.create(
-        request_id=request_id, prompt=[1, 2, 3], sampling={}, pool="shared", tenant=tenant
-    )
+    return GenerationRequest(request_id, (1, 2, 3), SamplingParams(), pool="shared", tenant=tenant)
 
 
 def _flood(ingress: Ingress, tenant: str, count: int) -> tuple[list[object], list[IngressError]]:

@@ -98,7 +98,7 @@ def test_a_worker_the_view_shows_first_gets_a_slot_and_joins_routing() -> None:
         assert ingress.slots["w1"].handle == "handle-of-w1"
         assert ingress.live_workers() == {"a": 2}
         assert ingress.router.workers("a", alive_only=True) == ["w0", "w1"]
-        assert [w["worker_id"] for w in ingress.status()[0]["workers"]] == ["w0", "w1"]
+        assert [w.worker_id for w in ingress.status()[0].workers] == ["w0", "w1"]
         # A worker of a pool this deployment does not serve gets none.
         other = WorkerDelta(WorkerInfo("x0", "elsewhere", 64), True, None)
         _apply(ingress, 3, other)
@@ -135,7 +135,7 @@ def test_a_draining_worker_leaves_routing_but_keeps_its_streams() -> None:
         w1 = ingress.slots["w1"]
         assert not w1.alive and w1.draining and not w1.left.is_set()
         assert ingress.router.workers("a", alive_only=True) == ["w0"]
-        assert ingress.status()[0]["workers"][1]["draining"] is True
+        assert ingress.status()[0].workers[1].draining is True
         await ingress.wait_ready(1.0)  # a draining worker is not waited for
 
     asyncio.run(scenario())

@@ -51,18 +51,22 @@ def test_only_the_actor_modules_import_ray() -> None:
     assert importers == ["scheduler/actor.py", "worker/actor.py"]
 
 
-FRONTS = ("grpc_server", "openai_http", "dashboard", "drain")
+FRONTS = ("grpc_server", "openai", "dashboard", "drain")
 
 
-def _cluster_imports(module: str) -> set[str]:
-    tree = ast.parse((PACKAGE / "cluster" / f"{module}.py").read_text())
+def _cluster_imports(front: str) -> set[str]:
+    """The cluster modules a front (a module, or a package's modules together) imports,
+    its own package left out."""
+    package = PACKAGE / "cluster" / front
+    paths = sorted(package.glob("*.py")) if package.is_dir() else [package.with_suffix(".py")]
     return {
         node.module.split(".")[2]
-        for node in ast.walk(tree)
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom)
         and node.module
         and node.module.startswith("pagefleet.cluster.")
-    }
+    } - {front}
 
 
 @pytest.mark.parametrize("front", FRONTS)
@@ -71,4 +75,52 @@ def test_a_front_sees_the_ingress_only_through_the_shared_api(front: str) -> Non
     assert "api" in imports
     assert "ingress" not in imports
     # Neither wire protocol depends on the other.
-    assert not imports & ({"grpc_server", "openai_http"} - {front})
+    assert not imports & ({"grpc_server", "openai"} - {front})
+
+
+def _cluster_import_graph() -> dict[str, set[str]]:
+    """cluster module -> the cluster modules it imports, at the top or inside a function."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "cluster").glob("*.py")):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            imported |= {n.split(".")[2] for n in names if n.startswith("pagefleet.cluster.")}
+        graph[path.stem] = imported - {path.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (as a path that ends where it starts), or []."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        for imported in sorted(graph.get(module, ())):
+            if found := visit(imported, [*path, module]):
+                return found
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        if found := visit(module, []):
+            return found
+    return []
+
+
+def test_cluster_modules_import_each_other_without_a_cycle() -> None:
+    # Deferred imports count too: an import moved into a function still ties the modules.
+    cycle = _cycle(_cluster_import_graph())
+    assert not cycle, f"import cycle in cluster/: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []

@@ -77,7 +77,7 @@ def test_the_autoscaler_schema_check_rejects_a_wrong_field() -> None:
 def test_serve_config_matches_serves_deploy_schema(source: str) -> None:
     data = load("serve.yaml") if source == "serve.yaml" else serve_config_v2()
     schema = ServeDeploySchema.model_validate(data)
-    assert [app.import_path for app in schema.applications] == ["pagefleet.cluster.app:build"]
+    assert [app.import_path for app in schema.applications] == ["pagefleet.cluster.serve_app:build_application"]
 
 
 @pytest.mark.parametrize("source", ["serve.yaml", "rayservice.yaml"])
@@ -212,3 +212,15 @@ def test_grafana_dashboard_covers_blocks_hit_rate_queues_preemptions_and_latency
                    "num_waiting", "ingress_waiting_requests", "preemptions_total", "evictions_total",
                    "time_to_first_token_seconds_bucket", "worker_alive"):  # fmt: skip
         assert metric in text
+
+
+def test_rayservice_enables_gcs_fault_tolerance_with_the_redis_it_deploys() -> None:
+    ft = rayservice()["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    docs = list(yaml.safe_load_all((MANIFESTS / "rayservice.yaml").read_text()))
+    redis = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "pagefleet-redis")
+    assert ft["redisAddress"] == f"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}"
+    secret = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["env"][0]["valueFrom"]["secretKeyRef"] == secret  # one password for both
+    assert deployment["spec"]["selector"]["matchLabels"] == redis["spec"]["selector"]

@@ -203,8 +203,7 @@ def test_engine_config_refuses_offload_without_prefix_caching() -> None:
 def test_pool_yaml_kv_offload_is_a_byte_size() -> None:
     cfg = ClusterConfig.from_dict({"pools": [{"name": "chat", "kv_offload": "4GiB"}]})
     pool = cfg.pool("chat")
-    assert pool.kv_offload_bytes == 4 * 2**30
-    assert pool.engine_kwargs(device="cpu")["kv_offload_bytes"] == 4 * 2**30
+    assert pool.engine.kv_offload_bytes == 4 * 2**30
 
 
 # --------------------------------------------------------- events and reports

@@ -21,20 +21,20 @@ HEAD = NodeResources("c" * 56, "10.0.0.1", {}, {"CPU": 2.0}, {"CPU": 2.0})
 
 
 def test_a_cpu_pool_on_a_gpu_cluster_takes_one_gpu_per_worker_by_default() -> None:
-    assert worker_shape(PoolConfig("p", device="cpu"), cluster_gpus=3) == WorkerShape(1.0, 1.0)
+    assert worker_shape(PoolConfig(name="p", device="cpu"), cluster_gpus=3) == WorkerShape(1.0, 1.0)
 
 
 def test_a_pool_on_a_cluster_without_gpus_asks_for_none() -> None:
-    assert worker_shape(PoolConfig("p", device="auto"), cluster_gpus=0) == WorkerShape(CPU_WORKER_NUM_CPUS, 0.0)
+    assert worker_shape(PoolConfig(name="p", device="auto"), cluster_gpus=0) == WorkerShape(CPU_WORKER_NUM_CPUS, 0.0)
 
 
 def test_num_gpus_per_worker_overrides_the_default() -> None:
-    shape = worker_shape(PoolConfig("p", num_gpus_per_worker=0.5), cluster_gpus=0)
+    shape = worker_shape(PoolConfig(name="p", num_gpus_per_worker=0.5), cluster_gpus=0)
     assert (shape.num_cpus, shape.num_gpus) == (1.0, 0.5)
 
 
 def test_node_labels_become_the_workers_label_selector() -> None:
-    shape = worker_shape(PoolConfig("p", node_labels={"pool": "acme"}), cluster_gpus=1)
+    shape = worker_shape(PoolConfig(name="p", node_labels={"pool": "acme"}), cluster_gpus=1)
     assert shape.options() == {"num_cpus": 1.0, "num_gpus": 1.0, "label_selector": {"pool": "acme"}}
 
 

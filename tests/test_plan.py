@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pagefleet.cli import main
-from pagefleet.worker.capacity import CapacityPlan, format_bytes, parse_bytes
+from pagefleet.worker.capacity import CapacityPlan
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import ModelShape, parse_dtype
+from pagefleet.worker.sizes import format_bytes, parse_bytes
 
 # A Llama-3-8B-like shape: 32 layers, 8 KV heads of 128 -> 128 KiB per fp16 token.
 CONFIG = {

@@ -201,7 +201,7 @@ def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler:
     holding it waiting cancels it."""
     import asyncio
 
-    from pagefleet.cluster.api import GenerationRequest
+    from pagefleet.cluster.api import Target
     from pagefleet.cluster.config import ClusterConfig
     from pagefleet.cluster.ingress import Ingress
 
@@ -224,9 +224,7 @@ def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler:
 
         await asyncio.wait_for(poll(), 60)
 
-    def request(request_id: str) -> GenerationRequest:
-        sampling = {"max_tokens": 100, "ignore_eos": True}
-        return GenerationRequest.create(request_id=request_id, prompt=[1, 2, 3], sampling=sampling, pool="a")
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
 
     async def scenario() -> None:
         holder = Ingress(config, {"a": [("w0", worker)]}, scheduler=scheduler)
@@ -235,21 +233,22 @@ def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler:
         other.start()
         try:
             await until(lambda: holder.live_workers()["a"] and other.live_workers()["a"])
-            running = holder.generate(request("running"))
+            tenant = holder.tenancy.authenticate(None)
+            running = holder.submit(tenant, Target(), [1, 2, 3], params, request_id="running")
             assert (await asyncio.wait_for(anext(running), 60)).token_ids
-            queued = holder.generate(request("queued"))
+            queued = holder.submit(tenant, Target(), [1, 2, 3], params, request_id="queued")
             first = asyncio.ensure_future(anext(queued))
             await until(lambda: holder.admission.waiting("a"))  # the worker's one seat is taken
-            assert await asyncio.wait_for(other.abort("queued"), 30)
+            assert await asyncio.wait_for(other.abort("queued", "default"), 30)
             assert (await asyncio.wait_for(first, 30)).finish_reason == "abort"
             assert holder.admission.waiting("a") == 0
-            assert await asyncio.wait_for(other.abort("running"), 30)  # by the worker
+            assert await asyncio.wait_for(other.abort("running", "default"), 30)  # by the worker
             async for delta in running:
                 last = delta
             assert last.finish_reason == "abort"
             # Found nowhere: every other replica passed the note, so the answer is prompt.
             started = time.monotonic()
-            assert not await asyncio.wait_for(other.abort("no such request"), 30)
+            assert not await asyncio.wait_for(other.abort("no such request", "default"), 30)
             assert time.monotonic() - started < 1.5
         finally:
             await holder.close()

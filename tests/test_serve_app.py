@@ -21,6 +21,7 @@ import yaml
 from cluster_fixtures import generate, status, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.serve_app import parse_args, parse_user_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,22 @@ def test_builder_args_name_an_unknown_argument() -> None:
 def test_builder_args_name_the_bad_config_field() -> None:
     with pytest.raises(ValueError, match=r"args\.config: pools\[0\]\.workers: must be >= 1"):
         parse_args({"config": {"pools": [{"name": "a", "workers": 0}]}})
+
+
+def test_builder_args_default_every_argument() -> None:
+    parsed = parse_args({})
+    assert parsed.config == ClusterConfig.default()
+    assert (parsed.metrics_port, parsed.ready_timeout_s) == (9400, 600.0)
+    assert parsed.ingress_resource is None and parsed.ingress_replicas_per_node is None
+
+
+def test_builder_args_are_typed() -> None:
+    with pytest.raises(ValueError, match=r"^pagefleet args\.metrics_port: must be int, got str '9400'$"):
+        parse_args({"metrics_port": "9400"})
+    with pytest.raises(ValueError, match=r"^pagefleet args\.ready_timeout_s: must be > 0, got 0$"):
+        parse_args({"ready_timeout_s": 0})
+    with pytest.raises(ValueError, match=r"^pagefleet args\.config: must be a mapping or a YAML file path"):
+        parse_args({"config": 3})
 
 
 def test_builder_args_refuse_a_bad_metrics_port() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgpack
 from prometheus_client import generate_latest
 
 from pagefleet.cluster.metrics import IngressMetrics
@@ -50,9 +49,6 @@ def test_cap_refusals_count_up_from_the_reports_totals() -> None:
     )
 
 
-def test_cap_refusals_survive_the_wire_and_are_optional_for_older_senders() -> None:
+def test_cap_refusals_survive_the_wire() -> None:
     report = _report(1, {"sa": 1}, {"sa": 4})
     assert LoadReport.decode(report.encode()).tenant_cap_refusals == {"sa": 4}
-    older = msgpack.unpackb(report.encode(), raw=False)
-    del older["tenant_cap_refusals"]
-    assert LoadReport.decode(msgpack.packb(older, use_bin_type=True)).tenant_cap_refusals == {}

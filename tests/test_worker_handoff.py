@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from pagefleet import LLM, SamplingParams
+from pagefleet.worker import model_files
 from pagefleet.worker.actor import WorkerActor
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine
@@ -37,8 +38,14 @@ def _actor() -> WorkerActor:
     return WorkerActor("w0", "default", config, report_interval_s=0)
 
 
+def _ids(text: str) -> tuple[int, ...]:
+    """The tiny model's token ids of `text`: the ingress sends workers token ids only."""
+    tokenizer = model_files.load_tokenizer(model_files.resolve_model_path("tiny"))
+    return tuple(int(t) for t in tokenizer.encode(text))
+
+
 def _request(request_id: str, prompt: str) -> WorkerRequest:
-    return WorkerRequest(request_id, prompt, LONG)
+    return WorkerRequest(request_id, _ids(prompt), LONG)
 
 
 async def _take(stream: AsyncIterator[TokenDelta], n_tokens: int) -> list[TokenDelta]:
@@ -142,7 +149,7 @@ def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
         )
         params = SamplingParams(max_tokens=48, ignore_eos=True)
         streams = [
-            actor.generate(WorkerRequest(f"r{i}@r1", f"Two run {i}", params)) for i in range(2)
+            actor.generate(WorkerRequest(f"r{i}@r1", _ids(f"Two run {i}"), params)) for i in range(2)
         ]
         await asyncio.gather(*(_take(s, 1) for s in streams))
         # The streams buffer; the engine runs on until one of them is preempted.

@@ -41,7 +41,6 @@ from pagefleet.scheduler.policy import (
     claim_headroom,
     full_claim,
 )
-from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.events import LoadReport
 
 
@@ -80,8 +79,8 @@ class Admission:
         self.router = router
         self.slots = slots
         self.metrics = metrics
-        self.policy = config.router.policy
-        self.mode = config.scheduler.admission
+        self.policy: str = config.router.policy
+        self.mode: str = config.scheduler.admission
         # Tenants sharing a pool split its queue by weight and are dispatched fairly.
         members = {
             pool.name: {t.name: t.weight for t in config.tenants if t.pool == pool.name}
@@ -144,7 +143,7 @@ class Admission:
         return waiter
 
     def _refusal(self, pool: PoolConfig, tenant: str, live: int) -> IngressError:
-        max_num_seqs = max_num_seqs_of(pool)
+        max_num_seqs = pool.engine.max_num_seqs
         queue = self.config.scheduler.wait_queue_size
         running = sum(slot.in_flight for slot in self.slots.pool(pool.name))
         share = self._waiting.share(pool.name, tenant)
@@ -240,7 +239,7 @@ class Admission:
             # Counted without the prefix it may reuse: the worker's report counts it so.
             chosen.claims[waiter.key] = Claim(
                 waiter.priority,
-                full_claim(len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.block_size),
+                full_claim(len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.engine.block_size),
             )
         return chosen
 
@@ -258,9 +257,9 @@ class Admission:
         """Blocks the request takes at the worker: up to max_tokens ("full") or its prompt."""
         matched = self.router.matched_blocks(slot.worker_id, waiter.hashes)
         if self.mode == "prompt":
-            return blocks_for_prompt(len(waiter.prompt_ids), pool.block_size, matched)
+            return blocks_for_prompt(len(waiter.prompt_ids), pool.engine.block_size, matched)
         return full_claim(
-            len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.block_size,
+            len(waiter.prompt_ids), waiter.max_tokens, waiter.n, pool.engine.block_size,
             matched_blocks=matched,
         )
 
@@ -275,7 +274,7 @@ class Admission:
     def _has_room(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> bool:
         if slot.in_flight == 0:
             return True  # an idle worker takes anything that fits max_model_len
-        if slot.in_flight >= max_num_seqs_of(pool):
+        if slot.in_flight >= pool.engine.max_num_seqs:
             return False
         if slot.report is None:
             return True
@@ -296,7 +295,7 @@ class Admission:
         below = max(sum(n for q, (n, _) in report.priority_claims.items() if q < p), len(mine))
         if below == 0:
             return False
-        if slot.in_flight - below >= max_num_seqs_of(pool):
+        if slot.in_flight - below >= pool.engine.max_num_seqs:
             return False  # even without them, its seat is taken
         freed = max(report.claimed_below(p), sum(c.blocks for c in mine))
         return self._headroom(report, slot) + freed >= self._need(slot, pool, waiter)
@@ -318,6 +317,3 @@ class Admission:
             self._waiting.pop(pool_name)  # advances the pool's virtual clock (fair order)
             waiter.future.set_result(slot)
 
-
-def max_num_seqs_of(pool: PoolConfig) -> int:
-    return int(pool.engine_kwargs().get("max_num_seqs") or EngineConfig.max_num_seqs)

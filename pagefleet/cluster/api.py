@@ -3,49 +3,24 @@
 The wire protocols depend on this module and on nothing of each other: the
 request and delta types, the error codes, the API-key rule, and `Front`, the
 interface of the ingress they serve (`pagefleet.cluster.ingress.Ingress`
-implements it).
+implements it). Authentication and the pool rule are `Front.tenancy`
+(`pagefleet.cluster.tenancy`); errors and their wire codes are
+`pagefleet.cluster.errors`.
 """
 
 from __future__ import annotations
 
-import enum
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagefleet.cluster.config import ClusterConfig, TenantConfig
-from pagefleet.worker.events import LoadReport
+from pagefleet.cluster.errors import ErrorCode, IngressError, InvalidArgument
+from pagefleet.cluster.status import PoolStatus
+from pagefleet.cluster.tenancy import Target, Tenancy
 from pagefleet.worker.sampling_params import SamplingParams
 
-# max_tokens when a request leaves it unset (0 on gRPC, absent in JSON).
-DEFAULT_MAX_TOKENS = 16
-
-
-class ErrorCode(enum.Enum):
-    """Why the ingress refused or ended a request (mapped to gRPC status codes)."""
-
-    INVALID_ARGUMENT = "invalid_argument"
-    UNAUTHENTICATED = "unauthenticated"
-    PERMISSION_DENIED = "permission_denied"
-    NOT_FOUND = "not_found"
-    ALREADY_EXISTS = "already_exists"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    INTERNAL = "internal"
-
-
-class IngressError(Exception):
-    """A request the ingress cannot serve; `code` says why, `message` says what to fix."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-# Token ids travel as int32 on gRPC; no vocabulary comes near it.
-MAX_TOKEN_ID = 2**31
 # A client's request_id is echoed in every message and kept while the request runs.
 MAX_REQUEST_ID_CHARS = 256
 
@@ -59,16 +34,51 @@ def scoped_request_id(tenant: str, request_id: str) -> str:
     return f"{len(tenant)}:{tenant}:{request_id}"
 
 
+def request_id_or_new(request_id: str) -> str:
+    """The client's request_id, or a fresh one when it sent none; INVALID_ARGUMENT past
+    `MAX_REQUEST_ID_CHARS`."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
+    return request_id or uuid.uuid4().hex
+
+
+def sampling_params(**fields: Any) -> SamplingParams:
+    """The `SamplingParams` of a wire request, the one place unset fields get their defaults.
+
+    A field the client left unset is passed as None and takes `SamplingParams`'
+    default; a bad value is INVALID_ARGUMENT naming the field and the limit.
+    """
+    try:
+        return SamplingParams(**{name: value for name, value in fields.items() if value is not None})
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A generation request as a front parsed it from its wire: what `Front.submit` takes
+    besides the tenant. The prompt is text or token ids; the ingress tokenizes it."""
+
+    target: Target
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    request_id: str = ""
+    priority: int = 0
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One validated generation request, independent of the wire protocol.
+    """One admitted generation request inside the ingress: tokenized, its pool and salt set.
 
-    `tenant` (the authenticated tenant's name) scopes `request_id`: ids,
-    aborts and duplicates are per tenant.
+    Built by `Ingress.submit` from what a front passed; `tenant` (the
+    authenticated tenant's name) scopes `request_id`: ids, aborts and
+    duplicates are per tenant.
     """
 
     request_id: str
-    prompt: str | tuple[int, ...]
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
     pool: str = ""
@@ -81,40 +91,6 @@ class GenerationRequest:
     def key(self) -> str:
         """`scoped_request_id(tenant, request_id)`: the id workers and the ingress tables use."""
         return scoped_request_id(self.tenant, self.request_id)
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        request_id: str,
-        prompt: str | Sequence[int],
-        sampling: Mapping[str, Any],
-        priority: int = 0,
-        pool: str = "",
-        salt: str | None = None,
-        tenant: str = "",
-    ) -> GenerationRequest:
-        """Build and validate; raises ValueError (from SamplingParams) with the limit."""
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(
-                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
-            )
-        if not isinstance(prompt, str):
-            for pos, tok in enumerate(prompt):
-                # The engine checks the model's vocabulary; this bound keeps hashing safe first.
-                if not 0 <= tok < MAX_TOKEN_ID:
-                    raise ValueError(
-                        f"prompt token id {tok} at position {pos} is outside [0, {MAX_TOKEN_ID})"
-                    )
-        return cls(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt=prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt),
-            params=SamplingParams(**sampling),
-            priority=priority,
-            pool=pool,
-            salt=salt,
-            tenant=tenant,
-        )
 
 
 @dataclass(frozen=True)
@@ -133,11 +109,6 @@ class StreamDelta:
     logprobs: list[Any] | None = None
 
 
-def unknown_pool(name: str) -> IngressError:
-    """NOT_FOUND for a pool the caller may not see; names no other pool."""
-    return IngressError(ErrorCode.NOT_FOUND, f"unknown pool {name!r}")
-
-
 def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     """The client's API key: `x-api-key: KEY` or `authorization: Bearer KEY`."""
     for key, value in metadata or ():
@@ -154,10 +125,20 @@ class Front(Protocol):
     """What a front calls on the ingress it serves."""
 
     config: ClusterConfig
+    tenancy: Tenancy
     replica_id: str
 
-    def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
-        """Stream one request; raises IngressError before or during the stream."""
+    def submit(
+        self,
+        tenant: TenantConfig,
+        target: Target,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """Stream one request of `tenant`; raises IngressError before or during the stream."""
         ...
 
     async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
@@ -165,19 +146,11 @@ class Front(Protocol):
         another ingress replica streams (False: only this replica's own)."""
         ...
 
-    def authenticate(self, api_key: str | None) -> TenantConfig:
-        """The tenant of an API key (UNAUTHENTICATED when none)."""
-        ...
-
-    def tenant_pool(self, tenant: TenantConfig, requested: str) -> str:
-        """The pool the tenant's request runs in (NOT_FOUND for one it may not use)."""
-        ...
-
     def tokenizer(self, pool: str) -> Any:
         """The pool's HF tokenizer (None: the model has none)."""
         ...
 
-    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[dict[str, Any]]:
+    def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[PoolStatus]:
         """Per pool and per worker counters, as GetStatus reports them."""
         ...
 
@@ -185,6 +158,17 @@ class Front(Protocol):
         """Live workers per pool."""
         ...
 
-    def worker_reports(self) -> dict[str, LoadReport | None]:
-        """Each worker's latest load report."""
-        ...
+
+__all__ = [
+    "ErrorCode",
+    "Front",
+    "GenerationRequest",
+    "IngressError",
+    "StreamDelta",
+    "Submission",
+    "Target",
+    "api_key_from_metadata",
+    "request_id_or_new",
+    "sampling_params",
+    "scoped_request_id",
+]

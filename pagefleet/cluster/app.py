@@ -23,177 +23,34 @@ endpoints and shuts everything down again.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray import serve
 
-from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
-from pagefleet.cluster.grpc_server import start_grpc_server
-from pagefleet.cluster.ingress import Ingress
-from pagefleet.cluster.membership import (
-    CPU_WORKER_NUM_CPUS,
-    MembershipError,
-    get_membership,
-    start_membership,
-    worker_actor_name,
-)
-from pagefleet.cluster.metrics import IngressMetrics
-from pagefleet.cluster.openai_http import HttpServer, start_http_server
+from pagefleet.cluster.deployment import GCS_PROBES_LOST, IngressDeployment, ingress_options
+from pagefleet.cluster.gcs_watch import fault_tolerant, gcs_answers
+from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership
+from pagefleet.cluster.names import APP_NAME, HEAD_NODE_RESOURCE, INGRESS_NAME, NAMESPACE
+from pagefleet.scheduler.actor import start_scheduler
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "pagefleet"
-APP_NAME = "pagefleet"
-INGRESS_NAME = "pagefleet-ingress"
-HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-SCALING_POLL_S = 2.0
+STOP_GRACE_S = 5.0  # after ray.shutdown: how long Ray's processes get before SIGKILL
+LOCAL_RAY_ATTEMPTS = 2
 
 
-class IngressDeployment:
-    """The Serve replica: one `Ingress` behind a gRPC server, the OpenAI HTTP server and /metrics.
-
-    Serve runs this class's async constructor on the replica's event loop, so the
-    gRPC and HTTP servers, the view subscription and the Ray streaming calls share one loop.
-    """
-
-    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
-        self,
-        config: ClusterConfig,
-        workers: dict[str, list[tuple[str, Any]]],
-        grpc_port: int,
-        metrics_port: int | None,
-        schedulers: tuple[Any, ...],
-        http_port: int | None = None,
-        namespace: str | None = None,
-    ) -> None:
-        self.metrics = IngressMetrics()
-        self._drain_timeout_s = config.server.drain_timeout_s
-
-        def resolve_worker(worker_id: str) -> Any:
-            # A worker added while serving: its named actor, in the workers' namespace.
-            return ray.get_actor(worker_actor_name(worker_id), namespace=namespace)
-
-        # The shards' handles: the ingress's fleet view follows each and merges them.
-        self.ingress = Ingress(
-            config, workers, scheduler=schedulers, metrics=self.metrics, resolve_worker=resolve_worker
-        )
-        self.ingress.start()
-        self._scaling = asyncio.get_running_loop().create_task(self._follow_scaling())
-        self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
-        self.server, self.grpc_port = await start_grpc_server(
-            self.ingress, config.server.host, grpc_port, drain=self.drain
-        )
-        self.http: HttpServer | None = None
-        if http_port is not None:
-            try:
-                self.http = await start_http_server(
-                    self.ingress, config.server.host, http_port, drain=self.drain
-                )
-            except BaseException:
-                # Free the gRPC port before Serve retries the constructor.
-                await self.server.stop(grace=None)
-                await self.ingress.close()
-                raise
-        # Metrics are per replica, so each needs its own port: the configured one plus
-        # the replica's rank (0 stays "any free port").
-        if metrics_port:
-            metrics_port += _replica_rank()
-        self.metrics_port = (
-            None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
-        )
-
-    async def _follow_scaling(self) -> None:
-        """Every SCALING_POLL_S: each pool's target and actual size from `pagefleet-membership`
-        (GetStatus `target_workers`, `scale_reason`; metric `pool_workers`). Off the
-        routing path; a missing owner leaves the last answer."""
-        while True:
-            try:
-                membership = await asyncio.to_thread(get_membership)
-                scaling = await membership.autoscale_status.remote()
-                self.ingress.pool_scaling = scaling
-                for pool, entry in scaling.items():
-                    self.metrics.pool_workers.labels(pool, "target").set(entry["target"])
-                    self.metrics.pool_workers.labels(pool, "actual").set(entry["workers"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("pool sizes not read from membership: %s", exc)
-            await asyncio.sleep(SCALING_POLL_S)
-
-    async def endpoints(self) -> dict[str, Any]:
-        """The ports this replica bound (useful when asked for port 0) and its replica id."""
-        return {
-            "grpc_port": self.grpc_port,
-            "metrics_port": self.metrics_port,
-            "http_port": None if self.http is None else self.http.port,
-            "replica_id": self.ingress.replica_id,
-        }
-
-    async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Return once every worker answered (engines loaded)."""
-        await self.ingress.wait_ready(timeout_s)
-
-    async def set_router_policy(self, policy: str) -> None:
-        """Switch the routing policy (prefix_affinity, round_robin, least_loaded, power_of_two)."""
-        self.ingress.set_router_policy(policy)
-
-    async def set_admission(self, mode: str) -> None:
-        """Switch what a worker must have room for (full: prompt + max_tokens; prompt)."""
-        self.ingress.set_admission(mode)
-
-    async def drain_and_stop(self, timeout_s: float, *, hand_off: bool = False) -> int:
-        """Graceful shutdown: stop accepting (health NOT_SERVING, new requests UNAVAILABLE),
-        let running streams finish for up to `timeout_s` (then abort them), stop the servers.
-        Returns how many streams had to be aborted.
-
-        `hand_off`: other replicas go on serving on the same port (Serve scales this one
-        down). The gRPC server then stops at once, which closes its listening socket and
-        sends GOAWAY on every connection: running streams go on, and each client's next
-        call opens a new connection, which the kernel gives to a replica still listening,
-        instead of getting UNAVAILABLE here until the drain ends."""
-        stopping = None
-        if hand_off:
-            stopping = asyncio.ensure_future(self.server.stop(grace=timeout_s + ABORT_GRACE_S + 2.0))
-            # Let the stop begin (GOAWAY, no new calls) before the drain refuses calls here.
-            await asyncio.sleep(0)
-        aborted = await self.drain.wait(timeout_s)
-        if self.http is not None:
-            await self.http.stop(timeout_s=2.0)
-        if stopping is not None:
-            await stopping
-        else:
-            await self.server.stop(grace=2.0)
-        return aborted
-
-    async def check_health(self) -> None:
-        """Serve's health probe: the ingress is healthy while its gRPC (and HTTP) servers run."""
-        if self.drain.draining:
-            return  # stopped on purpose: a restart would open the ports again
-        if self.server is None:
-            raise RuntimeError("gRPC server stopped")
-        if self.http is not None and not self.http.running:
-            raise RuntimeError("OpenAI HTTP server stopped")
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaling signal: this replica's streams (`autoscaling.StreamsPolicy`)."""
-        return {STREAMS_METRIC: float(self.drain.in_flight)}
-
-    async def __del__(self) -> None:
-        # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
-        # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
-        if not self.drain.draining:
-            await self.drain_and_stop(self._drain_timeout_s, hand_off=True)
-        self._scaling.cancel()
-        await self.ingress.close()
+class StartError(RuntimeError):
+    """The cluster could not start; the message (one line) names the pool and the cause."""
 
 
 @dataclass
@@ -206,9 +63,12 @@ class RunningCluster:
     membership: Any  # the `Membership` actor: owns the workers, adds and removes them
     schedulers: tuple[Any, ...]  # one handle per scheduler shard (one by default)
     host: str = "127.0.0.1"
-    started_ray: bool = False
+    started_ray: bool = False  # this process called ray.init (its own Ray or a joined one)
+    local_ray: bool = False  # ... and started that Ray itself (address None)
     ingress: Any = field(default=None, repr=False)
     http_port: int | None = None
+    _unanswered_probes: int = field(default=0, repr=False)
+    _gcs_lost: bool = field(default=False, repr=False)
 
     @property
     def grpc_target(self) -> str:
@@ -231,10 +91,6 @@ class RunningCluster:
         """Scheduler shard 0's handle: the only scheduler unless `scheduler.shards` > 1."""
         return self.schedulers[0]
 
-    def scheduler_of(self, pool: str) -> Any:
-        """The handle of the scheduler shard that owns `pool`."""
-        return self.schedulers[self.config.scheduler_shards()[pool]]
-
     def worker_handle(self, worker_id: str) -> Any:
         for pool_workers in self.workers.values():
             for wid, handle in pool_workers:
@@ -249,13 +105,38 @@ class RunningCluster:
         timeout = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
         return int(self.ingress.drain_and_stop.remote(timeout).result(timeout_s=timeout + 30))
 
+    def lost_gcs(self) -> str | None:
+        """Why the cluster is gone for good: its GCS died without fault tolerance (one
+        line); None while the GCS answers, or may restart (`gcs_watch.fault_tolerant`)."""
+        if fault_tolerant():
+            return None
+        if self.local_ray:
+            gcs = _local_gcs_process()
+            if gcs is None or gcs.poll() is None:
+                return None
+            self._gcs_lost = True
+            return f"the Ray GCS this server started (pid {gcs.pid}) exited with code {gcs.returncode}"
+        if gcs_answers():
+            self._unanswered_probes = 0
+            return None
+        self._unanswered_probes += 1
+        if self._unanswered_probes < GCS_PROBES_LOST:
+            return None
+        self._gcs_lost = True
+        address = ray.get_runtime_context().gcs_address
+        return f"lost the Ray GCS at {address} (no GCS fault tolerance: the cluster cannot recover)"
+
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
-        if self.started_ray:
+        if self.local_ray:
             # Ray stops every actor with it. Shutting Serve down first only makes the
             # killed controller's pending calls log "ServeController.graceful_shutdown
             # failed ... infinite retries remaining" on every clean exit.
-            ray.shutdown()
+            stop_local_ray()
+            return
+        if self._gcs_lost:
+            if self.started_ray:
+                ray.shutdown()  # nothing on the cluster can be reached to delete
             return
         try:
             serve.shutdown()
@@ -267,8 +148,50 @@ class RunningCluster:
         ray.kill(self.membership, no_restart=True)
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
-        if self.started_ray:
-            ray.shutdown()
+
+
+def _local_gcs_process() -> Any:
+    """The `subprocess.Popen` of the GCS server this process's `ray.init` started, if any."""
+    from ray._private import ray_constants, worker
+
+    node = worker._global_node
+    if node is None:
+        return None
+    infos: list[Any] = node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER, [])
+    return infos[0].process if infos else None
+
+
+def stop_local_ray() -> None:
+    """`ray.shutdown()` of the Ray this process started, then SIGKILL for any of its
+    processes still running: after a lost GCS, Ray's shutdown leaves the raylet's agents
+    (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) behind."""
+    import psutil
+    from ray._private import worker
+
+    node = worker._global_node
+    started: list[psutil.Process] = []
+    groups: list[list[Any]] = [] if node is None else list(node.all_processes.values())
+    for infos in groups:
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(info.process.pid)
+                started += [root, *root.children(recursive=True)]
+    # In a thread: with the GCS gone, the driver's disconnect may wait on it.
+    stopping = threading.Thread(target=ray.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(timeout=30.0)
+    _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S)
+    _kill(alive)
+
+
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL these `psutil.Process`es and wait for them (briefly)."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=STOP_GRACE_S)
 
 
 def start_cluster(
@@ -287,32 +210,74 @@ def start_cluster(
     `config.server.http_port` (where None disables the OpenAI HTTP server);
     port 0 picks a free port.
     """
-    started_ray = False
-    if not ray.is_initialized():
-        if address is None:
-            needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
-            # address="local": a cluster of our own, whatever else runs on the host. A bare
-            # ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in Ray's
-            # address file (and then refuses num_cpus), even when that cluster is gone.
-            ray.init(
-                address="local",
-                namespace=NAMESPACE,
-                num_cpus=max(os.cpu_count() or 1, math.ceil(needed)),
-                include_dashboard=False,
-            )
-        else:
-            use_cluster_token()
-            ray.init(address=address, namespace=NAMESPACE)
-        started_ray = True
-    namespace = ray.get_runtime_context().namespace
-    schedulers = _start_schedulers(config, namespace)
-    membership = start_membership(config, namespace, schedulers)
+    started_ray = joined_ray = False
     try:
-        ray.get(membership.wait_placed.remote(ready_timeout_s), timeout=ready_timeout_s + 60)
-    except MembershipError as exc:
-        # A pool Ray cannot place (or whose workers die loading) fails the start, saying why.
-        _stop_started(membership, schedulers, started_ray)
-        raise MembershipError(str(getattr(exc, "cause", None) or exc)) from None
+        if not ray.is_initialized():
+            on_sigterm = signal.getsignal(signal.SIGTERM)
+            if address is None:
+                needed = sum(p.workers for p in config.pools) * CPU_WORKER_NUM_CPUS + 1
+                # address="local": a cluster of our own, whatever else runs on the host. A
+                # bare ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in
+                # Ray's address file (and then refuses num_cpus), even when that cluster is gone.
+                started_ray = True
+                _start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)))
+            else:
+                use_cluster_token()
+                joined_ray = True
+                ray.init(address=address, namespace=NAMESPACE)
+            if threading.current_thread() is threading.main_thread():
+                # ray.init replaces the caller's SIGTERM handler with a bare sys.exit, which
+                # would skip the caller's drain.
+                signal.signal(signal.SIGTERM, on_sigterm)
+        cluster = _start_on_ray(config, grpc_port, http_port, metrics_port, ready_timeout_s)
+        cluster.started_ray, cluster.local_ray = started_ray or joined_ray, started_ray
+        return cluster
+    except BaseException:
+        # A failed or interrupted start leaves nothing running: a Ray of our own stops
+        # (every actor with it); on a joined cluster the actors this driver owns end
+        # with its disconnect, and the Serve app (detached) is deleted.
+        if started_ray:
+            stop_local_ray()
+        elif joined_ray:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+            ray.shutdown()
+        raise
+
+
+def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+    """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
+    30 s to register, which a starved machine can miss) is stopped and tried again."""
+    import psutil
+
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+            return
+        except Exception as exc:  # Ray's own start-up failed
+            # Its half-started node is not Ray's to stop (ray.init raised before keeping
+            # it): end the processes it had started (this driver's new children).
+            _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
+            if attempt == attempts or "timed out during startup" not in str(exc):
+                raise StartError(f"the local Ray did not start: {exc}") from exc
+            logger.warning("the local Ray did not start in time (attempt %d of %d); again", attempt, attempts)
+
+
+def _start_on_ray(
+    config: ClusterConfig,
+    grpc_port: int | None,
+    http_port: int | None,
+    metrics_port: int | None,
+    ready_timeout_s: float,
+) -> RunningCluster:
+    namespace = ray.get_runtime_context().namespace
+    schedulers = start_schedulers(config, namespace)
+    membership = start_membership(config, namespace, schedulers)
+    problem = ray.get(membership.wait_loaded.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
+    if problem is not None:
+        _stop_started(membership, schedulers)
+        raise StartError(problem)
     workers = ray.get(membership.members.remote(), timeout=ready_timeout_s)
     serve.start(http_options={"location": "NoServer"})
     replicas = config.server.ingress_max_replicas or config.server.ingress_replicas
@@ -359,17 +324,13 @@ def start_cluster(
         metrics_port=ports["metrics_port"],
         membership=membership,
         schedulers=schedulers,
-        started_ray=started_ray,
         ingress=handle,
         http_port=ports["http_port"],
     )
 
 
-def _stop_started(membership: Any, schedulers: tuple[Any, ...], started_ray: bool) -> None:
+def _stop_started(membership: Any, schedulers: tuple[Any, ...]) -> None:
     """Undo a start that failed before Serve: the workers, their owner, the schedulers."""
-    if started_ray:
-        ray.shutdown()
-        return
     for pool_workers in ray.get(membership.members.remote(), timeout=60).values():
         for _, handle in pool_workers:
             ray.kill(handle, no_restart=True)
@@ -403,24 +364,9 @@ def use_cluster_token(environ: dict[str, str] | None = None) -> bool:
     return False
 
 
-def ingress_options(config: ClusterConfig) -> dict[str, Any]:
-    """Replica count (fixed or autoscaled on streams) and shutdown budget of the ingress."""
-    server = config.server
-    return ingress_replica_options(
-        server.ingress_replicas,
-        server.ingress_max_replicas,
-        server.ingress_target_streams,
-        server.ingress_upscale_delay_s,
-        server.ingress_downscale_delay_s,
-        server.drain_timeout_s,
-    )
-
-
-def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
+def start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
     """The scheduler actors (one per `scheduler.shards`) with the config's timeouts, eviction
     watermarks and migration policy."""
-    from pagefleet.scheduler.actor import start_scheduler
-
     return tuple(
         start_scheduler(
             namespace=namespace,
@@ -438,14 +384,6 @@ def _start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
     )
 
 
-def _replica_rank() -> int:
-    """This Serve replica's rank in its deployment (0 outside Serve)."""
-    try:
-        return int(serve.get_replica_context().rank.rank)
-    except Exception:  # not in a replica, or an older Serve without ranks
-        return 0
-
-
 def _reserve_port(host: str) -> tuple[int, socket.socket]:
     """A free port, bound (not listening) with SO_REUSEPORT so the replicas can bind it too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -453,15 +391,3 @@ def _reserve_port(host: str) -> tuple[int, socket.socket]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, 0))
     return int(sock.getsockname()[1]), sock
-
-
-def build(args: dict[str, Any]) -> Any:
-    """Serve application builder: `serve run` / `serve deploy` of `manifests/serve.yaml`.
-
-    `args` are the Serve config's application `args`: `config` (a cluster config
-    mapping or a YAML path), `metrics_port` (default 9400, null disables) and
-    `ready_timeout_s`. See `pagefleet.cluster.serve_app`.
-    """
-    from pagefleet.cluster.serve_app import build_application
-
-    return build_application(args)

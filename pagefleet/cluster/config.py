@@ -1,207 +1,383 @@
 """Cluster configuration: pools, tenants, router and scheduler settings, from YAML.
 
-Validated once, at load: every error names the field's path and the reason,
-e.g. ``pools[0].workers: must be >= 1, got 0``, so `pagefleet serve` fails at
-start instead of a worker failing later.
+One pydantic model per section, frozen, unknown fields refused, validated
+once at load: every error names the field's path and the reason, e.g.
+``pools[0].workers: must be >= 1, got 0``, so `pagefleet serve` fails at start
+instead of a worker failing later (`pagefleet serve --config F --check` stops
+there). Byte fields read any `ByteSize` spelling ("512MiB", "8G", "2GB", 4096).
 
 ```yaml
 server: {grpc_port: 50051, http_port: 8000}
 router: {policy: prefix_affinity, w_prefill: 1.0, w_load: 1.0}
 scheduler: {report_timeout_s: 3.0, wait_queue_size: 256, admission: full}
 pools:
-  - {name: chat, model: tiny, workers: 2, block_size: 16, num_kv_blocks: 512}
+  - {name: chat, model: tiny, workers: 2, block_size: 16, kv_memory: 512MiB}
 tenants:
   - {name: acme, pool: chat, api_key_env: ACME_API_KEY}
 ```
+
+A pool's engine settings (everything of `EngineConfig` but the device and the
+tenant caps, which the cluster sets per worker) sit flat beside the pool's own
+fields and are held as its `engine`; `EngineConfig` checks them, and its
+errors are reported at the pool's path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
+import json
 import os
-import re
-import types
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-
-from pagefleet.cluster.router import RouterConfig
-from pagefleet.scheduler.autoscale import AutoscalePolicy
-from pagefleet.scheduler.policy import ADMISSION_MODES, EvictionWatermarks, MigrationPolicy
-from pagefleet.worker.block_pool import is_valid_block_size
-from pagefleet.worker.config import (
-    DEFAULT_DTYPE,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    PREEMPTION_MODES,
-    EngineConfig,
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
 )
+from pydantic_core import ErrorDetails
+from typing_extensions import Self
 
-SCHEDULER_POLICIES = ("watermark", "none")
-DEVICES = ("auto", "cpu", "cuda")
+from pagefleet.scheduler.autoscale import AutoscalePolicy
+from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, MigrationPolicy
+from pagefleet.worker.config import EngineConfig, InvalidField
+from pagefleet.worker.sizes import ByteSize
 
-_T = TypeVar("_T")
+MIN_API_KEY_CHARS = 16  # a shorter key is guessable
+
+RoutingPolicy = Literal["prefix_affinity", "round_robin", "least_loaded", "power_of_two"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
+
+DEFAULT_HTTP_PORT = 8000
+# `pagefleet scale` / `Membership`: how long a new worker may take to be placed and load,
+# and how long a removed worker's streams get to finish before they fail over.
+DEFAULT_WORKER_ADD_TIMEOUT_S = 300.0
+DEFAULT_WORKER_DRAIN_TIMEOUT_S = 60.0
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
 
 class ConfigError(ValueError):
     """An invalid cluster config; the message starts with the field's path."""
 
 
-def _fail(name: str, reason: str) -> typing.NoReturn:
-    raise ConfigError(f"{name}: {reason}")
+# field types ------------------------------------------------------------------------------
 
 
-def _at_least(name: str, value: float | None, low: float) -> None:
-    if value is not None and value < low:
-        _fail(name, f"must be >= {low}, got {value}")
+def _port(value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be in [0, 65535], got {value}")
+    return value
 
 
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        _fail(name, f"must be one of {', '.join(allowed)}, got {value!r}")
+def _message_limit(value: int) -> int:
+    # Below 1 KiB not even a small request fits; gRPC takes a signed 32-bit limit.
+    if not 1024 <= value < 2**31:
+        raise ValueError(f"must be in [1024, 2**31), got {value}")
+    return value
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Port = Annotated[int, AfterValidator(_port)]
+MessageBytes = Annotated[ByteSize, AfterValidator(_message_limit)]
+# Non-negative seconds, and seconds that must pass at all.
+Seconds = Annotated[float, Field(ge=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
 
 
-def parse_bytes(value: int | str) -> int:
-    """A byte count from an int or a string like ``512MiB`` / ``2GB``."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(str(value))
-    if match is None:
-        raise ValueError(f"expected a byte size like 512MiB or 2GB, got {value!r}")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "b").lower()])
+# the sections' common ground -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PoolConfig:
-    """A named group of identical workers serving one model."""
+class Section(BaseModel):
+    """A config section: typed fields, frozen, unknown fields refused.
 
-    name: str
-    model: str = "tiny"
-    workers: int = 1
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_bytes: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int | None = None
-    kv_offload_bytes: int | None = None  # YAML `kv_offload: 4GiB`: host tier per worker
-    dtype: str = DEFAULT_DTYPE
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"
-    num_gpus_per_worker: float | None = None
-    node_labels: dict[str, str] = field(default_factory=dict, hash=False)  # Ray labels its nodes need
-    min_workers: int | None = None  # autoscaling bounds; None: `workers`
-    max_workers: int | None = None
+    `from_data` (and every loader built on it) raises ConfigError whose
+    message starts with the bad field's path; the constructor raises
+    pydantic's ValidationError (a ValueError too).
+    """
 
-    def __post_init__(self) -> None:
-        if not self.name:
-            _fail("name", "must not be empty")
-        _at_least("workers", self.workers, 1)
-        low, high = self.worker_bounds()
-        if not 1 <= low <= self.workers <= high:
-            _fail("max_workers", f"need 1 <= min_workers <= workers <= max_workers, got {low}, {self.workers}, {high}")
-        for key, value in self.node_labels.items():
-            if not (isinstance(key, str) and key and isinstance(value, str) and value):
-                _fail("node_labels", f"keys and values must be non-empty strings, got {key!r}: {value!r}")
-        if not is_valid_block_size(self.block_size):
-            _fail("block_size", f"must be a power of two >= 1, got {self.block_size}")
-        for name in ("num_kv_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
-            _at_least(name, getattr(self, name), 1)
-        _at_least("max_model_len", self.max_model_len, 2)
-        _at_least("swap_space_bytes", self.swap_space_bytes, 0)
-        _at_least("kv_offload_bytes", self.kv_offload_bytes, 0)
-        _at_least("num_gpus_per_worker", self.num_gpus_per_worker, 0)
-        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _one_of("device", self.device, DEVICES)
-        # The engine's own checks are the final word (e.g. cross-field limits).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @classmethod
+    def from_data(cls, data: Any, *, noun: str = "field") -> Self:
+        """Validate plain data (parsed YAML/JSON); ConfigError names the bad field."""
         try:
-            EngineConfig(**self.engine_kwargs(device="cpu"))
-        except ValueError as exc:
-            raise ConfigError(f"engine: {exc}") from exc
+            return cls.model_validate(dict(data) if isinstance(data, Mapping) else data)
+        except ValidationError as exc:
+            raise ConfigError(describe(exc, cls, noun)) from None
+
+    @classmethod
+    def yaml_fields(cls) -> tuple[str, ...]:
+        """The names this section takes in YAML."""
+        return tuple(cls.model_fields)
+
+    def field_values(self) -> dict[str, Any]:
+        """`{field: value}` of this section, as held (nested sections as objects)."""
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, validated like the original (`model_copy` is not).
+
+        A mapping given for a nested section updates that section's fields:
+        ``config.replace(server={"http_port": None})``.
+        """
+        values = self.field_values()
+        for name, change in changes.items():
+            current = values.get(name)
+            if isinstance(change, Mapping) and isinstance(current, Section):
+                change = {**current.field_values(), **change}
+            values[name] = change
+        return self.from_data(values)
+
+
+def describe(exc: ValidationError, root: type[Section] | None = None, noun: str = "field") -> str:
+    """The first error of `exc` as one line: the YAML path, a colon, the reason.
+
+    ``("pools", 0, "workers")`` reads ``pools[0].workers``. A rule that names
+    another field than the one it ran on (`InvalidField`, e.g. the engine's
+    checks or a cross-field rule) is reported at that field.
+    """
+    error = exc.errors()[0]
+    loc = [part for part in error["loc"] if not _is_union_tag(part)]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidField):
+        loc.append(cause.field)
+        reason = cause.reason
+    else:
+        reason = _reason(error, root, loc, noun)
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    return f"{path}: {reason}" if path else reason
+
+
+def _is_union_tag(part: str | int) -> bool:
+    # pydantic names the member of a union it tried (`str`, `is-instance[Path]`) in the loc.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+_TYPE_NAMES = {
+    "int_type": "int", "float_type": "float", "bool_type": "bool", "string_type": "str",
+    "tuple_type": "a list", "list_type": "a list", "model_type": "a mapping",
+    "dict_type": "a mapping", "dataclass_type": "a mapping", "model_attributes_type": "a mapping",
+}  # fmt: skip
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+_BOUND_KEYS = {">=": "ge", ">": "gt", "<=": "le", "<": "lt"}
+
+
+def _reason(error: ErrorDetails, root: type[Section] | None, loc: list[Any], noun: str) -> str:
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == "missing":
+        return "is required"
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        known = _known_fields(root, loc)
+        return f"unknown {noun}" + (f" (known: {', '.join(known)})" if known else "")
+    if kind in _BOUNDS:
+        op = _BOUNDS[kind]
+        bound = ctx[_BOUND_KEYS[op]]
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)  # `>= 0` for a float field's `ge=0`, as written
+        return f"must be {op} {bound}, got {value}"
+    if kind == "literal_error":
+        expected = str(ctx["expected"]).replace("'", "").replace(" or ", ", ")
+        return f"must be one of {expected}, got {value!r}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "finite_number":
+        return f"must be a finite number, got {value}"
+    if kind in _TYPE_NAMES:
+        if value is None:
+            return f"must be {_TYPE_NAMES[kind]}, not null"
+        got = type(value).__name__
+        if isinstance(value, (str, int, float, bool)):
+            got += f" {value!r}"
+        return f"must be {_TYPE_NAMES[kind]}, got {got}"
+    if kind in ("value_error", "assertion_error") and "error" in ctx:
+        return str(ctx["error"])
+    return str(error["msg"])
+
+
+def _known_fields(root: type[Section] | None, loc: list[Any]) -> tuple[str, ...]:
+    """The YAML fields of the section that holds `loc`'s last part."""
+    model = root
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return ()
+        types = (field.annotation, *get_args(field.annotation))
+        model = next((t for t in types if isinstance(t, type) and issubclass(t, Section)), None)
+    return () if model is None else model.yaml_fields()
+
+
+# sections ----------------------------------------------------------------------------------
+
+
+class RouterConfig(Section):
+    """Routing policy and cost weights (see `pagefleet.cluster.router`)."""
+
+    policy: RoutingPolicy = "prefix_affinity"
+    w_prefill: Annotated[float, Field(ge=0)] = 1.0
+    w_load: Annotated[float, Field(ge=0)] = 0.25
+    w_queue: Annotated[float, Field(ge=0)] = 8.0
+    # The guard is per candidate: only the overloaded worker loses its affinity,
+    # the rest of the fleet keeps routing by prefix.
+    imbalance_ratio: Annotated[float, Field(ge=1.0)] = 1.5
+    imbalance_slack_blocks: Annotated[int, Field(ge=0)] = 64
+    speculative_ttl_s: Seconds = 2.0
+    # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
+    offload_credit: Annotated[float, Field(ge=0, le=1)] = 0.5
+    # Tell the other ingress replicas of every routing decision (see the router's docstring).
+    share_routes: bool = True
+
+
+# The engine settings a pool's YAML may set: all of EngineConfig's but those the
+# cluster sets for each worker (its device from the pool's, the tenants' caps).
+_SET_PER_WORKER = ("device", "tenant_max_live_blocks")
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SET_PER_WORKER)
+# JSON mode: strict types where YAML gives lists and mappings (python mode would want tuples
+# and EngineConfig instances).
+_ENGINE = TypeAdapter(EngineConfig)
+# Friendlier YAML spellings of byte fields.
+_SHORT_NAMES = {"kv_memory": "kv_memory_bytes", "kv_offload": "kv_offload_bytes"}
+
+
+class PoolConfig(Section):
+    """A named group of identical workers serving one model.
+
+    The pool's own fields are `name`, `workers`, `device` (auto: cuda where
+    the worker gets a GPU) and `num_gpus_per_worker`; every other field is an
+    engine setting (`EngineConfig`: model, block_size, num_kv_blocks,
+    kv_memory, max_model_len, ...), held as `engine`.
+    """
+
+    name: NonEmptyStr
+    workers: Annotated[int, Field(ge=1)] = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_gpus_per_worker: Annotated[float | None, Field(ge=0)] = None
+    # Ray labels a node must carry to host this pool's workers (`ray start --labels`).
+    node_labels: Annotated[dict[str, str], Field(strict=False)] = Field(default_factory=dict)
+    # Autoscaling bounds (None: `workers`, a fixed size).
+    min_workers: Annotated[int | None, Field(ge=1)] = None
+    max_workers: Annotated[int | None, Field(ge=1)] = None
+    engine: EngineConfig = EngineConfig()
+
+    @field_validator("node_labels", mode="before")
+    @classmethod
+    def _label_entries(cls, labels: Any) -> Any:
+        if not isinstance(labels, Mapping):
+            raise ValueError(f"must be dict, got {type(labels).__name__} {labels!r}")
+        for key, value in labels.items():
+            if not (isinstance(key, str) and key and isinstance(value, str) and value):
+                raise ValueError(f"keys and values must be non-empty strings, got {key!r}: {value!r}")
+        return dict(labels)
+
+    @model_validator(mode="after")
+    def _bounds_around_workers(self) -> Self:
+        low, high = self.worker_bounds()
+        if not low <= self.workers <= high:
+            raise InvalidField(
+                "max_workers",
+                f"need 1 <= min_workers <= workers <= max_workers, got {low}, {self.workers}, {high}",
+            )
+        return self
 
     def worker_bounds(self) -> tuple[int, int]:
         """(min_workers, max_workers), each `workers` when unset: a fixed size."""
         low = self.workers if self.min_workers is None else self.min_workers
         return low, self.workers if self.max_workers is None else self.max_workers
 
-    def engine_kwargs(self, *, device: str | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``EngineConfig``; unset limits keep the engine's defaults.
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine_settings(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for short, name in _SHORT_NAMES.items():
+            if short in data:
+                if name in data:
+                    raise InvalidField(short, f"give {short} or {name}, not both")
+                data[name] = data.pop(short)
+        engine = data.pop("engine", None)  # an EngineConfig when a pool is copied (`replace`)
+        if engine is not None and not isinstance(engine, EngineConfig):
+            raise InvalidField("engine", "unknown field: engine settings sit flat in the pool")
+        settings = {} if engine is None else {k: getattr(engine, k) for k in ENGINE_FIELDS}
+        settings.update({k: data.pop(k) for k in ENGINE_FIELDS if k in data})
+        data["engine"] = _ENGINE.validate_json(json.dumps(settings, default=str))
+        return data
 
-        ``device="auto"`` resolves to cuda when the calling process sees a GPU
-        (call it on the worker), else cpu; `device` overrides.
-        """
-        if device is None:
-            device = self.device
-        if device == "auto":
-            import torch
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        engine = data.pop("engine")
+        return {"name": data.pop("name"), **{k: engine[k] for k in ENGINE_FIELDS}, **data}
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.num_kv_blocks,
-            "kv_memory_bytes": self.kv_memory_bytes,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "preemption_mode": self.preemption_mode,
-            "swap_space_bytes": self.swap_space_bytes,
-            "kv_offload_bytes": self.kv_offload_bytes,
-            "dtype": self.dtype,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "device": device,
-        }
-        optional = ("max_num_seqs", "max_num_batched_tokens", "swap_space_bytes", "kv_offload_bytes")
-        return {k: v for k, v in kwargs.items() if not (k in optional and v is None)}
+    @classmethod
+    def yaml_fields(cls) -> tuple[str, ...]:
+        own = tuple(name for name in cls.model_fields if name != "engine")
+        return own + ENGINE_FIELDS + tuple(_SHORT_NAMES)
 
 
-@dataclass(frozen=True)
-class TenantConfig:
+class TenantConfig(Section):
     """A client identity: its pool, its prefix-cache salt and its API key.
 
     `weight` is the tenant's share of a shared pool's wait queue, relative to
     the other tenants of that pool: its part of `scheduler.wait_queue_size`
     and of the dispatch order (weighted fair queueing). `max_live_blocks`
     optionally caps the live KV blocks the tenant may hold on each worker.
+    `api_key_env` names the environment variable that holds the key (read
+    at load).
     """
 
-    name: str
+    name: NonEmptyStr
     pool: str
-    salt: str | None = None
+    salt: NonEmptyStr | None = None
     api_key: str | None = None
     api_key_env: str | None = None
     weight: float = 1.0
-    max_live_blocks: int | None = None
+    max_live_blocks: Annotated[int | None, Field(ge=1)] = None
 
-    def __post_init__(self) -> None:
-        if not self.name:
-            _fail("name", "must not be empty")
-        if self.salt == "":
-            _fail("salt", "must not be empty (omit it to derive one from the name)")
-        if self.api_key == "":
-            _fail("api_key", "must not be empty (omit it for a tenant without a key)")
-        if not 0 < self.weight < float("inf"):
-            _fail("weight", f"must be a finite number > 0, got {self.weight}")
-        _at_least("max_live_blocks", self.max_live_blocks, 1)
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_key_env(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("api_key_env") is None:
+            return data
+        if data.get("api_key") is not None:
+            raise InvalidField("api_key_env", "give api_key or api_key_env, not both")
+        env = data["api_key_env"]
+        value = os.environ.get(str(env))
+        if not value:
+            raise InvalidField("api_key_env", f"environment variable {env} is not set")
+        return {**data, "api_key": value}
+
+    @field_validator("weight")
+    @classmethod
+    def _finite_and_positive(cls, weight: float) -> float:
+        if not 0 < weight < float("inf"):
+            raise ValueError(f"must be a finite number > 0, got {weight}")
+        return weight
+
+    @field_serializer("api_key")
+    def _hidden(self, api_key: str | None) -> str | None:
+        return None if api_key is None else "<hidden>"
+
+    @field_validator("api_key")
+    @classmethod
+    def _long_enough(cls, api_key: str | None) -> str | None:
+        if api_key is not None and len(api_key.strip()) < MIN_API_KEY_CHARS:
+            raise ValueError(
+                f"must be at least {MIN_API_KEY_CHARS} characters besides spaces, got "
+                f"{len(api_key.strip())} (omit it for a tenant without a key)"
+            )
+        return api_key
 
     def cache_salt(self) -> str:
         """The prefix-cache salt router and workers must both use for this tenant.
@@ -212,8 +388,7 @@ class TenantConfig:
         return self.salt if self.salt is not None else f"tenant:{self.name}"
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(Section):
     """Central scheduler settings: liveness, wait queue bound, eviction watermarks.
 
     `wait_queue_size` bounds, per pool, the requests waiting at the ingress for a
@@ -248,71 +423,59 @@ class SchedulerConfig:
     always recomputes them.
     """
 
-    policy: str = "watermark"
-    report_interval_s: float = 0.5
+    policy: Literal["watermark", "none"] = "watermark"
+    report_interval_s: PositiveSeconds = 0.5
     report_timeout_s: float = 3.0
-    wait_queue_size: int = 256
+    wait_queue_size: Annotated[int, Field(ge=0)] = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
     # A worker with work that streams nothing this long leaves routing (hung).
-    stall_timeout_s: float = 3.0
+    stall_timeout_s: PositiveSeconds = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
-    index_check_interval_s: float = 10.0
-    shards: int = 1
-    admission: str = "full"
+    index_check_interval_s: PositiveSeconds = 10.0
+    shards: Annotated[int, Field(ge=1)] = 1
+    admission: AdmissionMode = "full"
     admission_overcommit: float = 1.0
     replica_aware_eviction: bool = True
     migration: bool = True
-    migration_margin_blocks: int = 4
-    migration_cooldown_s: float = 10.0
-    migration_transfer: bool | str = "auto"
+    migration_margin_blocks: Annotated[int, Field(ge=0)] = 4
+    migration_cooldown_s: Seconds = 10.0
+    migration_transfer: bool | Literal["auto"] = "auto"
     # Pools with min_workers < max_workers: grow after this long short of blocks
     # (allocatable below the fraction) with requests waiting, shrink after this long idle.
-    autoscale_free_fraction: float = 0.1
-    autoscale_out_after_s: float = 10.0
-    autoscale_in_after_s: float = 60.0
-    autoscale_cooldown_s: float = 30.0
+    autoscale_free_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    autoscale_out_after_s: Seconds = 10.0
+    autoscale_in_after_s: Seconds = 60.0
+    autoscale_cooldown_s: Seconds = 30.0
 
-    def __post_init__(self) -> None:
-        _one_of("policy", self.policy, SCHEDULER_POLICIES)
-        try:
-            self.autoscale_policy(1, 2)
-        except ValueError as exc:  # "<field> must be ...": name the config field
-            name, _, reason = str(exc).partition(" ")
-            raise ConfigError(f"autoscale_{name}: {reason}") from exc
-        _at_least("shards", self.shards, 1)
-        _one_of("admission", self.admission, ADMISSION_MODES)
-        if not 1.0 <= self.admission_overcommit <= 100.0:
-            _fail(
-                "admission_overcommit",
-                f"must be a factor from 1.0 (never overcommit) to 100, got {self.admission_overcommit}",
-            )
-        _at_least("migration_margin_blocks", self.migration_margin_blocks, 0)
-        if self.migration_transfer not in (True, False, "auto"):
-            _fail(
-                "migration_transfer",
-                f"must be true, false or 'auto', got {self.migration_transfer!r}",
-            )
-        if not self.migration_cooldown_s >= 0:
-            _fail("migration_cooldown_s", f"must be >= 0, got {self.migration_cooldown_s}")
-        if not self.stall_timeout_s > 0:
-            _fail("stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
-        if not self.index_check_interval_s > 0:
-            _fail("index_check_interval_s", f"must be > 0, got {self.index_check_interval_s}")
-        if not self.report_interval_s > 0:
-            _fail("report_interval_s", f"must be > 0, got {self.report_interval_s}")
+    @field_validator("admission_overcommit")
+    @classmethod
+    def _overcommit_factor(cls, factor: float) -> float:
+        if not 1.0 <= factor <= 100.0:
+            raise ValueError(f"must be a factor from 1.0 (never overcommit) to 100, got {factor}")
+        return factor
+
+    @field_validator("migration_transfer", mode="before")
+    @classmethod
+    def _transfer_choice(cls, value: Any) -> Any:
+        if value is not True and value is not False and value != "auto":
+            raise ValueError(f"must be true, false or 'auto', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _timeouts_and_watermarks(self) -> Self:
         if not self.report_timeout_s > self.report_interval_s:
-            _fail(
+            raise InvalidField(
                 "report_timeout_s",
                 f"must be > report_interval_s ({self.report_interval_s}), got {self.report_timeout_s}",
             )
-        _at_least("wait_queue_size", self.wait_queue_size, 0)
         if not 0.0 <= self.evict_low_watermark <= self.evict_high_watermark <= 1.0:
-            _fail(
+            raise InvalidField(
                 "evict_high_watermark",
                 "need 0 <= evict_low_watermark <= evict_high_watermark <= 1, got "
                 f"{self.evict_low_watermark} and {self.evict_high_watermark}",
             )
+        return self
 
     def eviction_watermarks(self) -> EvictionWatermarks | None:
         """How the scheduler steers workers' eviction: watermarks and replica awareness.
@@ -344,16 +507,7 @@ class SchedulerConfig:
         )
 
 
-DEFAULT_HTTP_PORT = 8000
-# `pagefleet scale` / `Membership`: how long a new worker may take to be placed and load,
-# and how long a removed worker's streams get to finish before they fail over.
-DEFAULT_WORKER_ADD_TIMEOUT_S = 300.0
-DEFAULT_WORKER_DRAIN_TIMEOUT_S = 60.0
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
-
-
-@dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(Section):
     """Where the ingress listens, and the limits it enforces before doing any work.
 
     `grpc_port` serves `pagefleet.v1.Generation`; `http_port` the OpenAI HTTP
@@ -366,8 +520,10 @@ class ServerConfig:
     `header_timeout_s` and its body within `body_timeout_s` (408), and is
     closed after `idle_timeout_s` without a request.
 
-    `drain_timeout_s`: on SIGINT/SIGTERM the server stops accepting and lets
-    running streams finish for at most this long. `tls_cert_file` and
+    `drain_timeout_s`: on SIGINT/SIGTERM/SIGHUP the server stops accepting and lets
+    running streams finish for at most this long. `health_details`: HTTP
+    `/health` lists live workers per pool to anyone (default: only to a tenant's
+    key, its own pools; without a key it says serving or not). `tls_cert_file` and
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
 
     `ingress_replicas` Serve replicas of the ingress share these ports
@@ -380,54 +536,40 @@ class ServerConfig:
     """
 
     host: str = "0.0.0.0"
-    grpc_port: int = 50051
-    http_port: int | None = DEFAULT_HTTP_PORT
+    grpc_port: Port = 50051
+    http_port: Port | None = DEFAULT_HTTP_PORT
     metrics_host: str = "127.0.0.1"
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_body_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    idle_timeout_s: float = 60.0
-    drain_timeout_s: float = 30.0
+    max_message_bytes: MessageBytes = DEFAULT_MAX_MESSAGE_BYTES
+    max_body_bytes: MessageBytes = DEFAULT_MAX_MESSAGE_BYTES
+    header_timeout_s: PositiveSeconds = 10.0
+    body_timeout_s: PositiveSeconds = 30.0
+    idle_timeout_s: PositiveSeconds = 60.0
+    drain_timeout_s: Seconds = 30.0
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    ingress_replicas: int = 1
+    ingress_replicas: Annotated[int, Field(ge=1)] = 1
     ingress_max_replicas: int | None = None
-    ingress_target_streams: int = 64
-    ingress_upscale_delay_s: float = 10.0
-    ingress_downscale_delay_s: float = 300.0
+    ingress_target_streams: Annotated[int, Field(ge=1)] = 64
+    ingress_upscale_delay_s: Seconds = 10.0
+    ingress_downscale_delay_s: Seconds = 300.0
+    health_details: bool = False
 
-    def __post_init__(self) -> None:
-        _at_least("ingress_replicas", self.ingress_replicas, 1)
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
         if self.ingress_max_replicas is not None and self.ingress_max_replicas < self.ingress_replicas:
-            _fail(
+            raise InvalidField(
                 "ingress_max_replicas",
                 f"must be >= ingress_replicas ({self.ingress_replicas}), got {self.ingress_max_replicas}",
             )
-        _at_least("ingress_target_streams", self.ingress_target_streams, 1)
-        _at_least("ingress_upscale_delay_s", self.ingress_upscale_delay_s, 0)
-        _at_least("ingress_downscale_delay_s", self.ingress_downscale_delay_s, 0)
-        for name in ("grpc_port", "http_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port <= 65535:
-                _fail(name, f"must be in [0, 65535], got {port}")
         if self.http_port and self.http_port == self.grpc_port:
-            _fail("http_port", f"must differ from grpc_port, both are {self.grpc_port}")
-        for name in ("max_message_bytes", "max_body_bytes"):
-            # Below 1 KiB not even a small request fits; gRPC takes a signed 32-bit limit.
-            value = getattr(self, name)
-            if not 1024 <= value < 2**31:
-                _fail(name, f"must be in [1024, 2**31), got {value}")
-        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
-            if not getattr(self, name) > 0:
-                _fail(name, f"must be > 0, got {getattr(self, name)}")
-        _at_least("drain_timeout_s", self.drain_timeout_s, 0)
+            raise InvalidField("http_port", f"must differ from grpc_port, both are {self.grpc_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            _fail("tls_key_file", "give both tls_cert_file and tls_key_file, or neither")
+            raise InvalidField("tls_key_file", "give both tls_cert_file and tls_key_file, or neither")
         for name in ("tls_cert_file", "tls_key_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                _fail(name, f"no such file: {path}")
+                raise InvalidField(name, f"no such file: {path}")
+        return self
 
     @property
     def tls(self) -> bool:
@@ -435,50 +577,77 @@ class ServerConfig:
         return self.tls_cert_file is not None
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+_SECTIONS = ("tenants", "router", "scheduler", "server")
+
+
+class ClusterConfig(Section):
     """The whole serving cluster: pools of workers, tenants, router and scheduler."""
 
-    pools: tuple[PoolConfig, ...]
-    tenants: tuple[TenantConfig, ...] = ()
-    router: RouterConfig = field(default_factory=RouterConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
+    # Lists in YAML, tuples here (strict=False: a list is accepted for the tuple).
+    pools: Annotated[tuple[PoolConfig, ...], Field(strict=False)]
+    tenants: Annotated[tuple[TenantConfig, ...], Field(strict=False)] = ()
+    router: RouterConfig = RouterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
 
-    def __post_init__(self) -> None:
-        if not self.pools:
-            _fail("pools", "must list at least one pool")
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        # An empty section (`router:` with nothing under it) is the default one.
+        data = {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
+        pools = data.get("pools")
+        if not isinstance(pools, (list, tuple)):
+            got = "nothing" if pools is None else type(pools).__name__
+            raise InvalidField("pools", f"must be a list of pools, got {got}")
+        if not pools:
+            raise InvalidField("pools", "must list at least one pool")
+        if not data.get("tenants"):
+            # No tenants configured: one open tenant on the first pool.
+            first = pools[0]
+            name = first.name if isinstance(first, PoolConfig) else (
+                first.get("name") if isinstance(first, Mapping) else None
+            )
+            if isinstance(name, str):
+                data["tenants"] = ({"name": "default", "pool": name},)
+        return data
+
+    @model_validator(mode="after")
+    def _names_keys_and_shards(self) -> Self:
         seen: dict[str, int] = {}
         for i, pool in enumerate(self.pools):
             if pool.name in seen:
-                _fail(f"pools[{i}].name", f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])")
+                raise InvalidField(
+                    f"pools[{i}].name", f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])"
+                )
             seen[pool.name] = i
-        if not self.tenants:
-            # No tenants configured: one open tenant on the first pool.
-            object.__setattr__(self, "tenants", (TenantConfig("default", self.pools[0].name),))
         names: set[str] = set()
         keys: set[str] = set()
         keyless: list[str] = []
         for i, tenant in enumerate(self.tenants):
             if tenant.name in names:
-                _fail(f"tenants[{i}].name", f"duplicate tenant name {tenant.name!r}")
+                raise InvalidField(f"tenants[{i}].name", f"duplicate tenant name {tenant.name!r}")
             names.add(tenant.name)
             if tenant.pool not in seen:
-                _fail(f"tenants[{i}].pool", f"unknown pool {tenant.pool!r} (pools: {', '.join(seen)})")
+                raise InvalidField(
+                    f"tenants[{i}].pool", f"unknown pool {tenant.pool!r} (pools: {', '.join(seen)})"
+                )
             if tenant.api_key is None:
                 keyless.append(tenant.name)
             elif tenant.api_key in keys:
-                _fail(f"tenants[{i}].api_key", "two tenants share this API key")
+                raise InvalidField(f"tenants[{i}].api_key", "two tenants share this API key")
             else:
                 keys.add(tenant.api_key)
         if len(keyless) > 1:
-            _fail("tenants", f"at most one tenant may have no API key, got {', '.join(keyless)}")
+            raise InvalidField("tenants", f"at most one tenant may have no API key, got {', '.join(keyless)}")
         if self.scheduler.shards > len(self.pools):
-            _fail(
+            raise InvalidField(
                 "scheduler.shards",
                 f"must be <= the number of pools ({len(self.pools)}): a shard owns whole pools, "
                 f"got {self.scheduler.shards}",
             )
+        return self
 
     def scheduler_shards(self) -> dict[str, int]:
         """Pool name -> the scheduler shard that owns it (0 for every pool with one shard).
@@ -507,7 +676,10 @@ class ClusterConfig:
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            where = "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from exc
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
@@ -517,53 +689,19 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
         """Build from plain data (parsed YAML/JSON); raises ConfigError naming the bad field."""
-        _check_keys(data, ("pools", "tenants", "router", "scheduler", "server"), "")
-        raw_pools = data.get("pools")
-        if not isinstance(raw_pools, list):
-            _fail("pools", f"must be a list of pools, got {type(raw_pools).__name__}")
-        pools = tuple(
-            _build(PoolConfig, _with_bytes(p, f"pools[{i}]"), f"pools[{i}]")
-            for i, p in enumerate(raw_pools)
-        )
-        raw_tenants = data.get("tenants") or []
-        if not isinstance(raw_tenants, list):
-            _fail("tenants", f"must be a list of tenants, got {type(raw_tenants).__name__}")
-        tenants = tuple(
-            _build(TenantConfig, _with_env_key(t, f"tenants[{i}]"), f"tenants[{i}]")
-            for i, t in enumerate(raw_tenants)
-        )
-        return cls(
-            pools=pools,
-            tenants=tenants,
-            router=_build(RouterConfig, data.get("router") or {}, "router"),
-            scheduler=_build(SchedulerConfig, data.get("scheduler") or {}, "scheduler"),
-            server=_build(ServerConfig, _with_bytes(data.get("server") or {}, "server"), "server"),
-        )
+        return cls.from_data(data)
 
     @classmethod
     def default(cls, model: str = "tiny", workers: int = 2) -> ClusterConfig:
         """One pool ``default`` of `workers` CPU-or-GPU workers and one open tenant."""
-        try:
-            return cls(pools=(PoolConfig("default", model=model, workers=workers),))
-        except ConfigError as exc:
-            raise ConfigError(f"pools[0].{exc}") from exc
+        return cls.from_data({"pools": [{"name": "default", "model": model, "workers": workers}]})
 
     def with_overrides(self, *, model: str | None = None, workers: int | None = None) -> ClusterConfig:
         """Apply the CLI's --model / --workers to every pool (validated again)."""
-        changes: dict[str, Any] = {}
-        if model is not None:
-            changes["model"] = model
-        if workers is not None:
-            changes["workers"] = workers
+        changes = {name: value for name, value in (("model", model), ("workers", workers)) if value is not None}
         if not changes:
             return self
-        pools = []
-        for i, pool in enumerate(self.pools):
-            try:
-                pools.append(dataclasses.replace(pool, **changes))
-            except ConfigError as exc:
-                raise ConfigError(f"pools[{i}].{exc}") from exc
-        return dataclasses.replace(self, pools=tuple(pools))
+        return self.replace(pools=[{**pool.field_values(), **changes} for pool in self.pools])
 
     # lookups ---------------------------------------------------------------------------
 
@@ -581,136 +719,9 @@ class ClusterConfig:
                 return tenant
         raise KeyError(f"unknown tenant {name!r}")
 
-    def tenant_for_api_key(self, key: str | None) -> TenantConfig | None:
-        """The tenant this key authenticates; no key means the keyless tenant, if any.
-
-        With no keyed tenant at all, any key (or none) is the open tenant, so
-        clients that must send some key (the `openai` package) work unchanged.
-        """
-        if not key or all(t.api_key is None for t in self.tenants):
-            return next((t for t in self.tenants if t.api_key is None), None)
-        encoded = key.encode()
-        match = None
-        for tenant in self.tenants:
-            # Compare against every key in constant time: no early exit to time.
-            if tenant.api_key is not None and hmac.compare_digest(tenant.api_key.encode(), encoded):
-                match = tenant
-        return match
-
     def tenant_block_caps(self) -> tuple[tuple[str, int], ...]:
         """``(salt, max_live_blocks)`` of each capped tenant (`EngineConfig.tenant_max_live_blocks`)."""
         return tuple(
             (t.cache_salt(), t.max_live_blocks) for t in self.tenants if t.max_live_blocks is not None
         )
 
-    def visible_pools(self, tenant: TenantConfig | None) -> list[str]:
-        """Pools a tenant may see and use: its own when keys are required, else all.
-
-        Every lookup (GetStatus, /v1/models, a request's pool) answers a pool outside
-        this list exactly like an unknown one.
-        """
-        if tenant is not None and self.auth_required:
-            return [tenant.pool]
-        return [p.name for p in self.pools]
-
-    @property
-    def auth_required(self) -> bool:
-        """True when every tenant has an API key (requests without one are refused)."""
-        return all(t.api_key is not None for t in self.tenants)
-
-
-# building dataclasses from untrusted data -----------------------------------------------
-
-
-def _check_keys(data: Mapping[str, Any], known: typing.Iterable[str], path: str) -> None:
-    known = tuple(known)
-    for key in data:
-        if key not in known:
-            where = f"{path}.{key}" if path else str(key)
-            _fail(where, f"unknown field (known: {', '.join(known)})")
-
-
-def _with_bytes(raw: Any, path: str) -> Any:
-    if not isinstance(raw, Mapping):
-        return raw
-    data = dict(raw)
-    if "kv_memory" in data:  # friendlier spelling in YAML
-        if "kv_memory_bytes" in data:
-            _fail(f"{path}.kv_memory", "give kv_memory or kv_memory_bytes, not both")
-        data["kv_memory_bytes"] = data.pop("kv_memory")
-    if "kv_offload" in data:
-        if "kv_offload_bytes" in data:
-            _fail(f"{path}.kv_offload", "give kv_offload or kv_offload_bytes, not both")
-        data["kv_offload_bytes"] = data.pop("kv_offload")
-    for name in (
-        "kv_memory_bytes", "swap_space_bytes", "kv_offload_bytes", "max_message_bytes", "max_body_bytes"
-    ):
-        if isinstance(data.get(name), str):
-            try:
-                data[name] = parse_bytes(data[name])
-            except ValueError as exc:
-                _fail(f"{path}.{name}", str(exc))
-    return data
-
-
-def _with_env_key(raw: Any, path: str) -> Any:
-    if not isinstance(raw, Mapping) or raw.get("api_key_env") is None:
-        return raw
-    data = dict(raw)
-    env = data["api_key_env"]
-    if data.get("api_key") is not None:
-        _fail(f"{path}.api_key_env", "give api_key or api_key_env, not both")
-    value = os.environ.get(str(env))
-    if not value:
-        _fail(f"{path}.api_key_env", f"environment variable {env} is not set")
-    data["api_key"] = value
-    return data
-
-
-def _build(cls: type[_T], raw: Any, path: str) -> _T:
-    """cls(**raw) with unknown keys, wrong types and validation errors reported at `path`."""
-    if not isinstance(raw, Mapping):
-        _fail(path, f"must be a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    _check_keys(raw, fields, path)
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        values[key] = _coerce(value, hints[key], f"{path}.{key}")
-    missing = [
-        name
-        for name, f in fields.items()
-        if name not in values
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        _fail(f"{path}.{missing[0]}", "is required")
-    try:
-        return cls(**values)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}.{exc}") from exc
-    except ValueError as exc:  # RouterConfig and others use "field: reason" ValueErrors
-        raise ConfigError(f"{path}.{exc}") from exc
-
-
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    """Check a YAML scalar against a field's type; ints are accepted where floats are."""
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in allowed:
-            return None
-        _fail(path, "must not be null")
-    for typ in allowed:
-        if typing.get_origin(typ) is dict and isinstance(value, Mapping):
-            return dict(value)  # node_labels: __post_init__ checks the entries
-        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if typ is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if typ is bool and isinstance(value, bool):
-            return value
-        if typ is str and isinstance(value, str):
-            return value
-    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed if t is not type(None))
-    _fail(path, f"must be {names}, got {type(value).__name__} {value!r}")

@@ -1,6 +1,6 @@
 """`/dashboard` on the HTTP port: every pool and worker, live, in a browser.
 
-Two routes on the OpenAI HTTP server (`openai_http.build_app` adds them):
+Two routes on the OpenAI HTTP server (`openai.server.build_app` adds them):
 
 - `GET /dashboard`: one self-contained HTML page (no external assets). Each
   worker is a block map: one cell per block (or per group of blocks on big
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from starlette.requests import Request
@@ -28,36 +29,25 @@ from starlette.routing import Route
 
 from pagefleet.cluster.api import Front, IngressError, api_key_from_metadata
 from pagefleet.cluster.config import TenantConfig
-from pagefleet.worker.events import LoadReport
-
-# HTTP status of an authentication failure on the JSON endpoint.
-_AUTH_STATUS = {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
+from pagefleet.cluster.errors import WIRE_STATUS
 
 
 def snapshot(ingress: Front, tenant: TenantConfig | None = None) -> dict[str, Any]:
-    """The pools `tenant` may see: GetStatus's counters plus tenant live blocks, preemptions, evictions.
+    """The pools `tenant` may see, as JSON: the status GetStatus reports (`PoolStatus`).
 
     Live blocks are labelled by tenant name, never by salt (a configured salt is
     a secret). When keys are required, a caller sees its own tenant's blocks by
     name and every other tenant's only as one "other tenants" sum.
     """
-    reports = ingress.worker_reports()
-    pools = ingress.status(tenant=tenant)
-    names = {t.cache_salt(): t.name for t in ingress.config.tenants}
-    own = tenant.name if tenant is not None and ingress.config.auth_required else None
-    for pool in pools:
-        preemptions = evictions = 0
-        for worker in pool["workers"]:
-            report: LoadReport | None = reports.get(worker["worker_id"])
-            worker["tenant_live_blocks"] = _label_tenants(
-                report.tenant_live_blocks if report else {}, names, own
-            )
-            worker["preemptions"] = sum(report.preemptions.values()) if report else 0
-            worker["evictions"] = report.evictions if report else 0
-            preemptions += worker["preemptions"]
-            evictions += worker["evictions"]
-        pool["preemptions"] = preemptions
-        pool["evictions"] = evictions
+    names = ingress.tenancy.salt_names()
+    own = tenant.name if tenant is not None and ingress.tenancy.auth_required else None
+    pools = []
+    for pool in ingress.status(tenant=tenant):
+        workers = [
+            {**asdict(w), "tenant_live_blocks": _label_tenants(w.tenant_live_blocks, names, own)}
+            for w in pool.workers
+        ]
+        pools.append({**asdict(pool), "workers": workers})
     return {"time": time.time(), "pools": pools}
 
 
@@ -81,9 +71,9 @@ def dashboard_routes(ingress: Front) -> list[Route]:
 
     async def state(request: Request) -> Response:
         try:
-            tenant = ingress.authenticate(api_key_from_metadata(request.headers.items()))
+            tenant = ingress.tenancy.authenticate(api_key_from_metadata(request.headers.items()))
         except IngressError as exc:
-            status = _AUTH_STATUS.get(exc.code.name, 400)
+            status = WIRE_STATUS[exc.code].http
             return JSONResponse({"error": {"message": exc.message}}, status_code=status)
         return JSONResponse(snapshot(ingress, tenant), headers={"cache-control": "no-store"})
 

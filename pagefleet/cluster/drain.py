@@ -15,15 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 
-from pagefleet.cluster.api import (
-    ErrorCode,
-    Front,
-    GenerationRequest,
-    IngressError,
-    StreamDelta,
-)
+from pagefleet.cluster.api import Front, StreamDelta, Target, request_id_or_new
+from pagefleet.cluster.config import TenantConfig
+from pagefleet.cluster.errors import Unavailable
+from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +33,8 @@ class Drain:
 
     def __init__(self, ingress: Front) -> None:
         self._ingress = ingress
-        self._active: dict[int, GenerationRequest] = {}
+        # (tenant name, request_id) of each request in flight, to abort at the timeout.
+        self._active: dict[int, tuple[str, str]] = {}
         self._next = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -53,22 +51,33 @@ class Drain:
         """Generation requests accepted and not finished yet."""
         return len(self._active)
 
-    async def generate(self, req: GenerationRequest) -> AsyncGenerator[StreamDelta, None]:
-        """`Ingress.generate`, counted in flight; UNAVAILABLE once draining has started."""
-        with self._track(req):
-            async with contextlib.aclosing(self._ingress.generate(req)) as deltas:
+    async def submit(
+        self,
+        tenant: TenantConfig,
+        target: Target,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """`Ingress.submit`, counted in flight; UNAVAILABLE once draining has started."""
+        request_id = request_id_or_new(request_id)  # the id a timeout aborts
+        with self._track(tenant.name, request_id):
+            stream = self._ingress.submit(
+                tenant, target, prompt, params, request_id=request_id, priority=priority
+            )
+            async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     yield delta
 
     @contextlib.contextmanager
-    def _track(self, req: GenerationRequest) -> Iterator[None]:
+    def _track(self, tenant: str, request_id: str) -> Iterator[None]:
         if self.draining:
-            raise IngressError(
-                ErrorCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
-            )
+            raise Unavailable("the server is shutting down; retry on another replica")
         token = self._next
         self._next += 1
-        self._active[token] = req
+        self._active[token] = (tenant, request_id)
         self._idle.clear()
         try:
             yield
@@ -92,8 +101,8 @@ class Drain:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         left = list(self._active.values())
-        for req in left:
-            await self._ingress.abort(req.request_id, req.tenant, anywhere=False)
+        for tenant, request_id in left:
+            await self._ingress.abort(request_id, tenant, anywhere=False)
         if left:
             logger.warning(
                 "drain timeout (%.0fs): aborted %d requests still running", timeout_s, len(left)

@@ -1,7 +1,8 @@
 """The `pagefleet.v1.Generation` gRPC service over an `Ingress`, plus health and reflection.
 
-The servicer only translates: wire messages to `GenerationRequest`, ingress
-deltas to `GenerateResponse`, and `IngressError` codes to gRPC status codes.
+The servicer only translates: wire messages to a `Submission` for
+`Front.submit`, ingress deltas to `GenerateResponse`, and `IngressError`
+codes to gRPC status codes (`errors.WIRE_STATUS`).
 Routing, fault handling and aborts live in `pagefleet.cluster.ingress`.
 """
 
@@ -9,91 +10,71 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagefleet.cluster.api import (
-    DEFAULT_MAX_TOKENS,
-    ErrorCode,
     Front,
-    GenerationRequest,
     IngressError,
     StreamDelta,
+    Submission,
+    Target,
     api_key_from_metadata,
+    request_id_or_new,
+    sampling_params,
 )
 from pagefleet.cluster.drain import Drain
+from pagefleet.cluster.errors import WIRE_STATUS, InvalidArgument
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.cluster.status import PoolStatus
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
-_STATUS_CODES = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-
 HEALTH_INTERVAL_S = 0.5  # how often the health service re-reads worker liveness
+UNREQUESTED_CALL_LIMIT_S = 3600
 
 
-def request_from_proto(
-    msg: pb.GenerateRequest,
-    *,
-    pool: str | None = None,
-    salt: str | None = None,
-    tenant: str = "",
-) -> GenerationRequest:
-    """Validate a wire request; raises `IngressError(INVALID_ARGUMENT)` with the reason.
+def request_from_proto(msg: pb.GenerateRequest) -> Submission:
+    """Validate a wire request; raises `InvalidArgument` with the reason.
 
-    `pool`, `salt` and `tenant` come from the authenticated tenant (the server
-    sets the prefix-cache salt, never the client).
+    Proto3 cannot tell an unset number from 0: `max_tokens` 0 and `top_p` 0
+    mean unset (the defaults of `sampling_params`), as do an absent `seed`
+    and `logprobs`.
     """
     has_text = bool(msg.prompt)
     has_ids = len(msg.prompt_token_ids) > 0
     if has_text and has_ids:
-        raise IngressError(
-            ErrorCode.INVALID_ARGUMENT, "set exactly one of prompt and prompt_token_ids, not both"
-        )
+        raise InvalidArgument("set exactly one of prompt and prompt_token_ids, not both")
     if not has_text and not has_ids:
-        raise IngressError(ErrorCode.INVALID_ARGUMENT, "prompt is empty: set prompt or prompt_token_ids")
+        raise InvalidArgument("prompt is empty: set prompt or prompt_token_ids")
     s = msg.sampling
-    sampling: dict[str, Any] = {
-        "max_tokens": s.max_tokens if s.max_tokens != 0 else DEFAULT_MAX_TOKENS,
-        "temperature": s.temperature,
-        "top_p": s.top_p if s.top_p != 0 else 1.0,
-        "top_k": s.top_k,
-        "seed": s.seed if s.HasField("seed") else None,
-        "stop": tuple(s.stop),
-        "stop_token_ids": tuple(s.stop_token_ids),
-        "ignore_eos": s.ignore_eos,
-        "logprobs": s.logprobs if s.HasField("logprobs") else None,
-    }
-    try:
-        return GenerationRequest.create(
-            request_id=msg.request_id,
-            prompt=msg.prompt if has_text else list(msg.prompt_token_ids),
-            sampling=sampling,
-            priority=msg.priority,
-            pool=msg.pool if pool is None else pool,
-            salt=salt,
-            tenant=tenant,
-        )
-    except ValueError as exc:  # SamplingParams validation names the field and the limit
-        raise IngressError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+    params = sampling_params(
+        max_tokens=s.max_tokens or None,
+        temperature=s.temperature,
+        top_p=s.top_p or None,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+    return Submission(
+        target=Target(msg.pool),
+        prompt=msg.prompt if has_text else tuple(msg.prompt_token_ids),
+        params=params,
+        request_id=request_id_or_new(msg.request_id),
+        priority=msg.priority,
+    )
 
 
 def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
@@ -115,6 +96,23 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
     return msg
 
 
+def status_to_proto(pools: Sequence[PoolStatus]) -> pb.StatusResponse:
+    """GetStatus's answer: every proto field read from the typed status of the same name."""
+    return pb.StatusResponse(
+        pools=[
+            pb.PoolStatus(
+                **_proto_fields(pb.PoolStatus, pool, skip="workers"),
+                workers=[pb.WorkerStatus(**_proto_fields(pb.WorkerStatus, w)) for w in pool.workers],
+            )
+            for pool in pools
+        ]
+    )
+
+
+def _proto_fields(message: type[Message], status: object, skip: str = "") -> dict[str, Any]:
+    return {f.name: getattr(status, f.name) for f in message.DESCRIPTOR.fields if f.name != skip}
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """gRPC front of one `Ingress`."""
 
@@ -126,17 +124,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
-            pool = self._ingress.tenant_pool(tenant, request.pool)
-            req = request_from_proto(
-                request, pool=pool, salt=tenant.cache_salt(), tenant=tenant.name
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
             )
+            sub = request_from_proto(request)
             # Which ingress replica serves the stream (several share the port).
             await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
-            async for delta in self._drain.generate(req):
+            stream = self._drain.submit(
+                tenant, sub.target, sub.prompt, sub.params,
+                request_id=sub.request_id, priority=sub.priority,
+            )  # fmt: skip
+            async for delta in stream:
                 yield delta_to_proto(delta)
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: say so with INTERNAL, never a bare UNKNOWN
@@ -147,9 +148,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
+            )
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
         await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
         # Scoped to the caller: another tenant's request of this id is "not found". Any
         # replica finds it: the one that holds it, or the workers on behalf of another.
@@ -159,11 +162,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         try:
-            tenant = self._ingress.authenticate(api_key_from_metadata(context.invocation_metadata()))
+            tenant = self._ingress.tenancy.authenticate(
+                api_key_from_metadata(context.invocation_metadata())
+            )
             pools = self._ingress.status(request.pool or None, tenant)
         except IngressError as exc:
-            await context.abort(_STATUS_CODES[exc.code], exc.message)
-        return json_format.ParseDict({"pools": pools}, pb.StatusResponse())
+            await context.abort(WIRE_STATUS[exc.code].grpc, exc.message)
+        return status_to_proto(pools)
 
 
 def serving_status(
@@ -279,6 +284,11 @@ async def start_grpc_server(
             # The ingress replicas of one node share the port; the kernel spreads
             # connections over them.
             ("grpc.so_reuseport", 1),
+            # gRPC core ends a call the server has not picked up within this (30 s by
+            # default) with a bare CANCELLED. Under a flood the event loop picks calls up
+            # late; each must still get the admission's answer (RESOURCE_EXHAUSTED with
+            # the pool's numbers, UNAVAILABLE) or meet its client's own deadline.
+            ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_LIMIT_S),
         ]
     )
     add_generation_service(GenerationServicer(ingress, drain), server)

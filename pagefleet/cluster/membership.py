@@ -33,8 +33,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -46,12 +47,18 @@ from pagefleet.cluster.config import (
     ClusterConfig,
     PoolConfig,
 )
+from pagefleet.cluster.names import (
+    HEAD_NODE_RESOURCE,
+    MEMBERSHIP_NAME,
+    NAMESPACE,
+    worker_actor_name,
+)
 from pagefleet.cluster.placement import WorkerShape, cannot_place, capacity, cluster_nodes
+from pagefleet.scheduler.actor import shard_actor_name
 from pagefleet.scheduler.autoscale import PoolAutoscaler, pool_load
 
 logger = logging.getLogger(__name__)
 
-MEMBERSHIP_NAME = "pagefleet-membership"
 # Logical CPUs a CPU-only worker asks Ray for: two workers fit a 2-core laptop
 # next to the ingress and the scheduler (which ask for none).
 CPU_WORKER_NUM_CPUS = 0.5
@@ -64,15 +71,13 @@ POLL_S = 0.2
 # How often the owner looks for workers whose node died (a replacement is due).
 NODE_CHECK_S = 1.0
 JOIN_TIMEOUT_S = 30.0  # from "loaded" to "in the scheduler's view, alive"
+# Loads of a configured worker at start-up before the start fails: a worker that
+# cannot load (out of memory, no CUDA, a bad device or model) fails the same way again.
+LOAD_ATTEMPTS = 3
 
 
 class MembershipError(ValueError):
     """A scale or remove request that cannot be carried out; the message says why."""
-
-
-def worker_actor_name(worker_id: str) -> str:
-    """The named Ray actor of a worker."""
-    return f"pagefleet-worker-{worker_id}"
 
 
 def worker_shape(pool: PoolConfig, cluster_gpus: float) -> WorkerShape:
@@ -112,8 +117,6 @@ class Membership:
     """
 
     def __init__(self, config: ClusterConfig, namespace: str, schedulers: tuple[Any, ...]) -> None:
-        from pagefleet.scheduler.actor import shard_actor_name
-
         self._config = config
         self._namespace = namespace
         self._schedulers = schedulers
@@ -143,31 +146,44 @@ class Membership:
         """`{pool: [(worker_id, actor handle), ...]}`, draining workers included."""
         return {pool: [(m.worker_id, m.handle) for m in ms] for pool, ms in self._members.items()}
 
-    async def wait_placed(self, timeout_s: float) -> None:
-        """Return once every worker is placed and loaded; MembershipError after `timeout_s`
-        naming, per pool, what its workers ask for and what the cluster has (or the error
-        a worker died of)."""
+    async def wait_loaded(self, timeout_s: float, attempts: int = LOAD_ATTEMPTS) -> str | None:
+        """Wait until every configured worker is placed and has loaded its model, starting
+        one whose load failed again (a fresh id) up to `attempts` loads in all; returns why
+        a pool cannot start (one line: the pool, the worker and the cause, or what its
+        workers ask Ray for against what the cluster has), None once all are loaded."""
         self._ensure_watcher()
-        members = [(pool, m) for pool, ms in self._members.items() for m in ms]
-        waits = {asyncio.wrap_future(m.loaded): (pool, m) for pool, m in members}
-        done, _ = await asyncio.wait(waits, timeout=timeout_s) if waits else (set(), set())
-        problems = [
-            f"worker {m.worker_id} of pool {pool!r} failed to start: {wait.exception()}"
-            for wait, (pool, m) in waits.items()
-            if wait in done and wait.exception() is not None
-        ]
-        unplaced: dict[str, int] = {}
-        for wait, (pool, _) in waits.items():
-            if wait not in done:
-                unplaced[pool] = unplaced.get(pool, 0) + 1
-        if unplaced:
-            nodes = cluster_nodes()
-            problems += [
-                f"{cannot_place(pool, self._shape(self._pool(pool)), n, nodes)} (waited {timeout_s:g}s)"
-                for pool, n in unplaced.items()
-            ]
-        if problems:
-            raise MembershipError("; ".join(problems))
+        deadline = time.monotonic() + timeout_s
+        for pool in self._config.pools:
+            for i in range(len(self._members[pool.name])):
+                for attempt in range(1, attempts + 1):
+                    member = self._members[pool.name][i]
+                    try:
+                        await asyncio.wait_for(
+                            asyncio.wrap_future(member.loaded), max(1.0, deadline - time.monotonic())
+                        )
+                        break
+                    except (asyncio.TimeoutError, GetTimeoutError):
+                        unplaced = sum(not m.loaded.done() for m in self._members[pool.name])
+                        shape = self._shape(pool)
+                        return f"{cannot_place(pool.name, shape, unplaced, cluster_nodes())} (waited {timeout_s:g}s)"
+                    except RayActorError as exc:
+                        cause = load_failure(exc)
+                        logger.warning(
+                            "pool %s: worker %s failed to load (attempt %d of %d): %s",
+                            pool.name, member.worker_id, attempt, attempts, cause,
+                        )
+                        ray.kill(member.handle, no_restart=True)
+                        if attempt == attempts:
+                            return (
+                                f"pool {pool.name}: worker {member.worker_id} failed to load "
+                                f"{attempts} times: {cause}"
+                            )
+                        self._members[pool.name].remove(member)
+                        replacement = self._create(pool)
+                        # Keep the configured order: the replacement takes the dead one's place.
+                        self._members[pool.name].remove(replacement)
+                        self._members[pool.name].insert(i, replacement)
+        return None
 
     # ----- changes --------------------------------------------------------
 
@@ -394,12 +410,12 @@ class Membership:
 
     def _create(self, pool: PoolConfig) -> _Member:
         from pagefleet.worker.actor import create_worker
-        from pagefleet.worker.config import EngineConfig
 
         shape = self._shape(pool)
-        engine_config = EngineConfig(
+        engine_config = replace(
+            pool.engine,
             # The pool's own device; `auto` is resolved on the worker, which sees its GPU.
-            **{**pool.engine_kwargs(device="cpu"), "device": pool.device},
+            device=pool.device,
             tenant_max_live_blocks=self._config.tenant_block_caps(),
         )
         worker_id = f"{pool.name}-{self._next_index[pool.name]}"
@@ -513,6 +529,17 @@ class Membership:
             await asyncio.sleep(POLL_S)
 
 
+def load_failure(exc: BaseException) -> str:
+    """The cause of a worker's failed load, one line: the last `SomeError: message` line of
+    its constructor's traceback, else the error's first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
+    return errors[-1] if errors else (lines[0] if lines else type(exc).__name__)
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): ")
+
+
 def describe_change(result: dict[str, Any]) -> str:
     """One line: what changed in the pool and who serves it now."""
     changes = []
@@ -533,8 +560,6 @@ def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[An
     of workers; its owner (the `pagefleet serve` driver or the `WorkerOwner`
     replica) ends with it anyway.
     """
-    from pagefleet.cluster.app import HEAD_NODE_RESOURCE, NAMESPACE
-
     actor = ray.remote(Membership).options(
         name=MEMBERSHIP_NAME,
         namespace=NAMESPACE,
@@ -547,8 +572,6 @@ def start_membership(config: ClusterConfig, namespace: str, schedulers: tuple[An
 
 def get_membership() -> Any:
     """The running deployment's `Membership` actor; MembershipError when none runs."""
-    from pagefleet.cluster.app import NAMESPACE
-
     try:
         return ray.get_actor(MEMBERSHIP_NAME, namespace=NAMESPACE)
     except ValueError:

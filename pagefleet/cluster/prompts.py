@@ -9,10 +9,11 @@ thread, off the event loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
-from pagefleet.cluster.api import ErrorCode, IngressError
 from pagefleet.cluster.config import PoolConfig
+from pagefleet.cluster.errors import InvalidArgument
 from pagefleet.worker.sampling_params import SamplingParams
 
 # Text prompts up to this many characters are tokenized inline (well under a
@@ -23,6 +24,9 @@ INLINE_TOKENIZE_CHARS = 4096
 MIN_CHARS_PER_TOKEN = 8
 # HF tokenizers report a huge model_max_length when the model's limit is unknown.
 UNKNOWN_MODEL_LEN = 10**7
+# Token ids travel as int32 on gRPC; no vocabulary comes near it. The engine checks
+# the model's vocabulary; this bound keeps hashing safe first.
+MAX_TOKEN_ID = 2**31
 
 
 class Prompts:
@@ -35,11 +39,12 @@ class Prompts:
     def tokenizer(self, pool: PoolConfig) -> Any:
         """The pool's HF tokenizer, loaded on first use (None: the model has none)."""
         if pool.name not in self._tokenizers:
-            self._tokenizers[pool.name] = load_tokenizer(pool.model)
+            self._tokenizers[pool.name] = load_tokenizer(str(pool.engine.model))
         return self._tokenizers[pool.name]
 
-    async def token_ids(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
-        """Token ids of a prompt, refusing a text too long to fit before tokenizing it.
+    async def token_ids(self, pool: PoolConfig, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, refusing a text too long to fit before tokenizing it
+        (and ids outside [0, MAX_TOKEN_ID)).
 
         A long text is tokenized in a thread: on the event loop it would stall every
         other stream of this ingress (tokenizing a megabyte takes seconds).
@@ -53,7 +58,7 @@ class Prompts:
     def _max_prompt_chars(self, pool: PoolConfig) -> int | None:
         """No prompt longer than this fits: max_model_len tokens x the longest token's characters."""
         tokenizer = self.tokenizer(pool)
-        limit = pool.max_model_len or getattr(tokenizer, "model_max_length", None)
+        limit = pool.engine.max_model_len or getattr(tokenizer, "model_max_length", None)
         if not isinstance(limit, int) or limit > UNKNOWN_MODEL_LEN:
             return None  # HF's placeholder for "no limit known": the message size bounds it
         if pool.name not in self._max_token_chars:
@@ -61,26 +66,35 @@ class Prompts:
             self._max_token_chars[pool.name] = max(longest, MIN_CHARS_PER_TOKEN)
         return limit * self._max_token_chars[pool.name]
 
-    def _encode(self, pool: PoolConfig, prompt: str | tuple[int, ...]) -> list[int]:
+    def _encode(self, pool: PoolConfig, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            return check_token_ids(prompt)
         tokenizer = self.tokenizer(pool)
         if tokenizer is None:
-            raise IngressError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"pool {pool.name!r} serves a model without a tokenizer: send prompt_token_ids",
+            raise InvalidArgument(
+                f"pool {pool.name!r} serves a model without a tokenizer: send prompt_token_ids"
             )
         return [int(t) for t in tokenizer.encode(prompt)]  # as LLMEngine does
+
+
+def check_token_ids(prompt: Sequence[int]) -> list[int]:
+    """The ids as ints; INVALID_ARGUMENT naming the first one outside [0, MAX_TOKEN_ID)."""
+    ids = [int(t) for t in prompt]
+    for pos, tok in enumerate(ids):
+        if not 0 <= tok < MAX_TOKEN_ID:
+            raise InvalidArgument(
+                f"prompt token id {tok} at position {pos} is outside [0, {MAX_TOKEN_ID})"
+            )
+    return ids
 
 
 def check_length(pool: PoolConfig, prompt_ids: list[int], params: SamplingParams) -> None:
     """INVALID_ARGUMENT for an empty prompt, or one that cannot fit with its max_tokens."""
     if not prompt_ids:
-        raise IngressError(ErrorCode.INVALID_ARGUMENT, "prompt is empty")
-    limit = pool.max_model_len
+        raise InvalidArgument("prompt is empty")
+    limit = pool.engine.max_model_len
     if limit is not None and len(prompt_ids) + params.max_tokens > limit:
-        raise IngressError(
-            ErrorCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
             f"exceeds max_model_len {limit}",
         )
@@ -89,16 +103,14 @@ def check_length(pool: PoolConfig, prompt_ids: list[int], params: SamplingParams
 def check_prompt_text(prompt: str, max_chars: int | None) -> None:
     """INVALID_ARGUMENT for a text prompt that is not Unicode text or cannot fit max_model_len."""
     if max_chars is not None and len(prompt) > max_chars:
-        raise IngressError(
-            ErrorCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"prompt of {len(prompt)} characters cannot fit: at most {max_chars} characters "
             "(max_model_len x the longest token's characters)",
         )
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from JSON "\ud800"
-        raise IngressError(
-            ErrorCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"prompt is not valid Unicode: {exc.reason} at character {exc.start}",
         ) from exc
 

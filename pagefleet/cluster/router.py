@@ -38,13 +38,12 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagefleet.cluster.config import ROUTING_POLICIES, RouterConfig
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
     from pagefleet.scheduler.state import WorkerDelta
-
-ROUTING_POLICIES = ("prefix_affinity", "round_robin", "least_loaded", "power_of_two")
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -53,41 +52,6 @@ class NoWorkerAvailable(RuntimeError):
     def __init__(self, pool: str, reason: str = "no live worker") -> None:
         super().__init__(f"pool {pool!r}: {reason}")
         self.pool = pool
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Routing policy and cost weights (validated at construction)."""
-
-    policy: str = "prefix_affinity"
-    w_prefill: float = 1.0
-    w_load: float = 0.25
-    w_queue: float = 8.0
-    # The guard is per candidate: only the overloaded worker loses its affinity,
-    # the rest of the fleet keeps routing by prefix.
-    imbalance_ratio: float = 1.5
-    imbalance_slack_blocks: int = 64
-    speculative_ttl_s: float = 2.0
-    # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
-    offload_credit: float = 0.5
-    # Tell the other ingress replicas of every routing decision (see the module docstring).
-    share_routes: bool = True
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTING_POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
-        for name in ("w_prefill", "w_load", "w_queue", "speculative_ttl_s"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
-        if not 0.0 <= self.offload_credit <= 1.0:
-            raise ValueError(f"offload_credit: must be in [0, 1], got {self.offload_credit}")
-        if not self.imbalance_ratio >= 1.0:
-            raise ValueError(f"imbalance_ratio: must be >= 1.0, got {self.imbalance_ratio}")
-        if self.imbalance_slack_blocks < 0:
-            raise ValueError(
-                f"imbalance_slack_blocks: must be >= 0, got {self.imbalance_slack_blocks}"
-            )
 
 
 @dataclass(frozen=True)
@@ -305,12 +269,6 @@ class Router:
                 break
             n += 1
         return n
-
-    def num_indexed(self, worker_id: str) -> int:
-        """Hashes indexed for a worker (confirmed plus speculative); O(index size)."""
-        self._expire()
-        bit = self._workers[worker_id].bit
-        return sum(1 for mask in self._holders.values() if mask & bit)
 
     # routing --------------------------------------------------------------------------
 

@@ -1,13 +1,13 @@
 """The pagefleet cluster as a Ray Serve application, for `serve run` / `serve deploy` / KubeRay.
 
-`pagefleet.cluster.app:build` (which calls `build_application`) is the
-application builder named in `manifests/serve.yaml`; Serve calls it with the
-config file's `args`:
+`pagefleet.cluster.serve_app:build_application` is the application builder
+named in `manifests/serve.yaml`; Serve calls it with the config file's `args`
+(validated as `BuildArgs`):
 
 ```yaml
 applications:
   - name: pagefleet
-    import_path: pagefleet.cluster.app:build
+    import_path: pagefleet.cluster.serve_app:build_application
     args:
       config: {pools: [{name: default, model: tiny, workers: 2}]}   # or a YAML path
       metrics_port: 9400                                           # null disables /metrics
@@ -33,30 +33,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import field_validator, model_validator
 from ray import serve
 from ray.serve import Application
+from typing_extensions import Self
 
-from pagefleet.cluster.app import (
-    HEAD_NODE_RESOURCE,
-    INGRESS_NAME,
-    IngressDeployment,
-    _start_schedulers,
-    ingress_options,
+from pagefleet.cluster.app import start_schedulers
+from pagefleet.cluster.config import (
+    ClusterConfig,
+    ConfigError,
+    NonEmptyStr,
+    Port,
+    PositiveSeconds,
+    Section,
 )
-from pagefleet.cluster.config import ClusterConfig, ConfigError
-from pagefleet.cluster.membership import DEFAULT_ADD_TIMEOUT_S, describe_change, start_membership
+from pagefleet.cluster.deployment import IngressDeployment, ingress_options
+from pagefleet.cluster.membership import (
+    DEFAULT_ADD_TIMEOUT_S,
+    MembershipError,
+    describe_change,
+    start_membership,
+)
+from pagefleet.cluster.names import HEAD_NODE_RESOURCE, INGRESS_NAME, WORKERS_NAME
+from pagefleet.worker.config import InvalidField
 
 logger = logging.getLogger(__name__)
 
-WORKERS_NAME = "pagefleet-workers"
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_READY_TIMEOUT_S = 600.0
-_ARGS = ("config", "metrics_port", "ready_timeout_s", "ingress_resource", "ingress_replicas_per_node")
 
 
 class WorkerOwner:
@@ -69,7 +77,7 @@ class WorkerOwner:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.namespace = ray.get_runtime_context().namespace
-        self.schedulers = _start_schedulers(config, self.namespace)
+        self.schedulers = start_schedulers(config, self.namespace)
         self.membership = start_membership(config, self.namespace, self.schedulers)
 
     async def get_workers(self) -> dict[str, list[tuple[str, Any]]]:
@@ -78,10 +86,12 @@ class WorkerOwner:
         workers: dict[str, list[tuple[str, Any]]] = await self.membership.members.remote()
         return workers
 
-    async def wait_placed(self, timeout_s: float) -> None:
-        """Return once every worker is placed and loaded; MembershipError saying what a
-        pool asks for and what the cluster has when that does not happen in `timeout_s`."""
-        await self.membership.wait_placed.remote(timeout_s)
+    async def wait_loaded(self, timeout_s: float) -> None:
+        """Return once every worker is placed and loaded; MembershipError saying why a pool
+        cannot start (a load failure, or what it asks Ray for against what the cluster has)."""
+        problem = await self.membership.wait_loaded.remote(timeout_s)
+        if problem is not None:
+            raise MembershipError(problem)
 
     def get_schedulers(self) -> tuple[Any, ...]:
         """The scheduler shards' actor handles (the ingress follows their views)."""
@@ -120,7 +130,7 @@ class ServeIngress(IngressDeployment):
         metrics_port: int | None,
         ready_timeout_s: float,
     ) -> None:
-        await owner.wait_placed.remote(ready_timeout_s)
+        await owner.wait_loaded.remote(ready_timeout_s)
         workers = await owner.get_workers.remote()
         schedulers = await owner.get_schedulers.remote()
         namespace = await owner.get_namespace.remote()
@@ -136,63 +146,62 @@ class ServeIngress(IngressDeployment):
         await self.wait_ready(ready_timeout_s)
 
 
-@dataclass(frozen=True)
-class BuildArgs:
-    """The builder's `args`, validated."""
+class BuildArgs(Section):
+    """The builder's `args`, validated (`parse_args`)."""
 
-    config: ClusterConfig
-    metrics_port: int | None = DEFAULT_METRICS_PORT
-    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    # A cluster config mapping, a YAML file path (read on the head node), or none: the default.
+    config: ClusterConfig = ClusterConfig.default()
+    metrics_port: Port | None = DEFAULT_METRICS_PORT  # null disables /metrics
+    ready_timeout_s: PositiveSeconds = DEFAULT_READY_TIMEOUT_S  # longest model load a worker may take
     # A custom Ray resource of the nodes that may run the ingress (KubeRay: its own
     # worker group, whose pods can then be probed for readiness); None: the head node.
-    ingress_resource: str | None = None
+    ingress_resource: NonEmptyStr | None = None
     # At most this many ingress replicas per node (Serve's max_replicas_per_node), e.g.
     # 1: one per ingress pod; None: Serve's default placement. Needs ingress_resource.
     ingress_replicas_per_node: int | None = None
 
+    @field_validator("config", mode="before")
+    @classmethod
+    def _load_config(cls, raw: Any) -> Any:
+        try:
+            if isinstance(raw, Mapping):
+                return ClusterConfig.from_dict(raw)
+            if isinstance(raw, str):
+                return ClusterConfig.from_yaml(Path(raw).expanduser())
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if raw is None:
+            return ClusterConfig.default()
+        if isinstance(raw, ClusterConfig):
+            return raw
+        raise ValueError(f"must be a mapping or a YAML file path, got {type(raw).__name__}")
+
+    @field_validator("ingress_replicas_per_node")
+    @classmethod
+    def _at_least_one(cls, per_node: int | None) -> int | None:
+        if per_node is not None and per_node < 1:
+            raise ValueError(f"must be an integer >= 1 or null, got {per_node}")
+        return per_node
+
+    @model_validator(mode="after")
+    def _spread_needs_a_resource(self) -> Self:
+        if self.ingress_replicas_per_node is not None and self.ingress_resource is None:
+            raise InvalidField(
+                "ingress_replicas_per_node",
+                "needs ingress_resource (without it every ingress replica runs on the head node, "
+                "so the cap would only leave replicas unplaced)",
+            )
+        return self
+
 
 def parse_args(args: Mapping[str, Any]) -> BuildArgs:
-    """`BuildArgs` from the builder's args; ValueError names the bad one."""
+    """`BuildArgs` from the builder's args; ValueError (a ConfigError) names the bad one."""
     if not isinstance(args, Mapping):
-        raise ValueError(f"pagefleet args must be a mapping, got {type(args).__name__}")
-    for key in args:
-        if key not in _ARGS:
-            raise ValueError(f"pagefleet args.{key}: unknown argument (known: {', '.join(_ARGS)})")
-    raw = args.get("config")
+        raise ConfigError(f"pagefleet args must be a mapping, got {type(args).__name__}")
     try:
-        if isinstance(raw, Mapping):
-            config = ClusterConfig.from_dict(raw)
-        elif isinstance(raw, str):
-            config = ClusterConfig.from_yaml(Path(raw).expanduser())
-        elif raw is None:
-            config = ClusterConfig.default()
-        else:
-            raise ConfigError(f"must be a mapping or a YAML file path, got {type(raw).__name__}")
+        return BuildArgs.from_data(args, noun="argument")
     except ConfigError as exc:
-        raise ValueError(f"pagefleet args.config: {exc}") from exc
-    metrics_port = args.get("metrics_port", DEFAULT_METRICS_PORT)
-    if metrics_port is not None and (
-        isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535
-    ):
-        raise ValueError(f"pagefleet args.metrics_port: must be in [0, 65535] or null, got {metrics_port!r}")
-    timeout = args.get("ready_timeout_s", DEFAULT_READY_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"pagefleet args.ready_timeout_s: must be a number > 0, got {timeout!r}")
-    resource = args.get("ingress_resource")
-    if resource is not None and (not isinstance(resource, str) or not resource):
-        raise ValueError(f"pagefleet args.ingress_resource: must be a resource name, got {resource!r}")
-    per_node = args.get("ingress_replicas_per_node")
-    if per_node is not None:
-        if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
-            raise ValueError(
-                f"pagefleet args.ingress_replicas_per_node: must be an integer >= 1 or null, got {per_node!r}"
-            )
-        if resource is None:
-            raise ValueError(
-                "pagefleet args.ingress_replicas_per_node: needs ingress_resource (without it every "
-                "ingress replica runs on the head node, so the cap would only leave replicas unplaced)"
-            )
-    return BuildArgs(config, metrics_port, float(timeout), resource, per_node)
+        raise ConfigError(f"pagefleet args.{exc}") from None
 
 
 def parse_user_config(user_config: Any, config: ClusterConfig) -> dict[str, int]:
@@ -225,7 +234,8 @@ def parse_user_config(user_config: Any, config: ClusterConfig) -> dict[str, int]
 
 
 def build_application(args: Mapping[str, Any]) -> Application:
-    """The Serve application of a pagefleet cluster (see the module docstring)."""
+    """The Serve application of a pagefleet cluster (see the module docstring); Serve's
+    application builder, named in `manifests/serve.yaml`."""
     parsed = parse_args(args)
     # On the head node, like `pagefleet serve`: clients dial the head, and losing a
     # GPU node must never take the ingress or the workers' owner with it.

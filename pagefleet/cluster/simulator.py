@@ -204,7 +204,7 @@ class Simulation:
         self.replicas = [
             FleetView(
                 Router(
-                    replace(router_config or RouterConfig(), policy=policy),
+                    (router_config or RouterConfig()).replace(policy=policy),
                     seed=workload.seed + i,
                     clock=lambda: self.now,
                     on_routed=functools.partial(self._routed, f"r{i}"),

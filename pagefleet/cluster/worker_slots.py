@@ -16,6 +16,7 @@ one (`gone`) loses its slot, its router entry and its metric series.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -26,23 +27,12 @@ from typing import Any
 from pagefleet.cluster.config import ClusterConfig, PoolConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
+from pagefleet.cluster.status import BLOCK_FIELDS, PoolStatus, WorkerStatus
 from pagefleet.scheduler.policy import Claim
 from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.events import LoadReport
 
 logger = logging.getLogger(__name__)
-
-# Pool and worker counters that GetStatus and the dashboard report.
-BLOCK_FIELDS = (
-    "total_blocks",
-    "free_blocks",
-    "live_blocks",
-    "cached_blocks",
-    "peak_live_blocks",
-    "num_running",
-    "num_waiting",
-)
-
 
 @dataclass
 class WorkerSlot:
@@ -105,7 +95,7 @@ class WorkerSlots:
             self._pools[pool.name] = []
             for worker_id, handle in workers.get(pool.name, ()):
                 self._add(worker_id, pool.name, handle)
-                router.add_worker(worker_id, pool.name, block_size=pool.block_size)
+                router.add_worker(worker_id, pool.name, block_size=pool.engine.block_size)
                 # Out of routing until the scheduler's view has it (it may still be loading).
                 router.set_alive(worker_id, False)
         # Per pool, (time, pool-wide preemptions so far) samples of the last minute.
@@ -207,7 +197,7 @@ class WorkerSlots:
         if self._metrics is not None and not slot.alive:
             self._metrics.mark_dead(slot.pool, slot.worker_id)  # after its report's 1
         if delta.stalled and not slot.left.is_set():
-            slot.left.set()  # hung: its streams move now (see `Ingress._stream`)
+            slot.left.set()  # hung: its streams move now (see `RequestRun._stream`)
         # Fresh load or a worker back: route waiting requests it has room for.
         self._on_change(slot.pool)
 
@@ -237,47 +227,54 @@ class WorkerSlots:
         """Live workers per pool: the health rule (healthy while none is 0) of both fronts."""
         return {name: sum(slot.alive for slot in slots) for name, slots in self._pools.items()}
 
-    def worker_reports(self) -> dict[str, LoadReport | None]:
-        """Each worker's latest load report by worker id (None before its first one)."""
-        return {slot.worker_id: slot.report for slot in self._slots.values()}
-
-    def pool_status(self, cfg: PoolConfig) -> dict[str, Any]:
-        """A pool's counters summed over its live workers, with one entry per worker."""
+    def pool_status(self, cfg: PoolConfig, router_policy: str, queued: int) -> PoolStatus:
+        """A pool's counters summed over its live workers, with one row per worker;
+        `queued`: its requests waiting in this replica's queue."""
         slots = self._pools[cfg.name]
-        workers = [worker_status(slot) for slot in slots]
-        live = [w for w in workers if w["alive"]]
-        query = sum(s.report.prefix_query_tokens for s in slots if s.report)
-        hits = sum(s.report.prefix_hit_tokens for s in slots if s.report)
-        entry: dict[str, Any] = {
-            "name": cfg.name,
-            "model": str(cfg.model),
-            "live_workers": len(live),
-            "hit_rate": hits / query if query else 0.0,
+        workers = tuple(worker_status(slot) for slot in slots)
+        live = [w for w in workers if w.alive]
+        query = sum(w.prefix_query_tokens for w in workers)
+        hits = sum(w.prefix_hit_tokens for w in workers)
+        sums = {key: sum(getattr(w, key) for w in live) for key in BLOCK_FIELDS}
+        sums["num_waiting"] += queued
+        return PoolStatus(
+            name=cfg.name,
+            model=str(cfg.engine.model),
+            router_policy=router_policy,
+            live_workers=len(live),
+            hit_rate=hits / query if query else 0.0,
             # Cumulative over the workers' incarnations now reporting.
-            "migrations": sum(w["migrations_out"] for w in workers),
-            "workers": workers,
-        }
-        for key in BLOCK_FIELDS:
-            entry[key] = sum(w[key] for w in live)
-        return entry
+            migrations=sum(w.migrations_out for w in workers),
+            preemptions=sum(w.preemptions for w in workers),
+            evictions=sum(w.evictions for w in workers),
+            workers=workers,
+            **sums,
+        )
 
 
-def worker_status(slot: WorkerSlot) -> dict[str, Any]:
-    """One worker's row of GetStatus."""
+def worker_status(slot: WorkerSlot) -> WorkerStatus:
+    """One worker's row of the status, from its latest report (zeros before the first)."""
     r = slot.report
-    entry: dict[str, Any] = {
-        "worker_id": slot.worker_id,
-        "pool": slot.pool,
-        "alive": slot.alive,
-        "draining": slot.draining,
-        "requests_routed": slot.requests_routed,
-        "node_id": slot.node_id,
-        "node_ip": slot.node_ip,
-        "prefix_query_tokens": r.prefix_query_tokens if r else 0,
-        "prefix_hit_tokens": r.prefix_hit_tokens if r else 0,
-        "hit_rate": r.hit_rate if r else 0.0,
-        "migrations_out": r.migrations_out if r else 0,
-    }
-    for key in BLOCK_FIELDS:
-        entry[key] = int(getattr(r, key)) if r else 0
-    return entry
+    known = WorkerStatus(
+        slot.worker_id, slot.pool, slot.alive, slot.draining, slot.node_id, slot.node_ip,
+        requests_routed=slot.requests_routed,
+    )  # fmt: skip
+    if r is None:
+        return known
+    return dataclasses.replace(
+        known,
+        prefix_query_tokens=r.prefix_query_tokens,
+        prefix_hit_tokens=r.prefix_hit_tokens,
+        hit_rate=r.hit_rate,
+        migrations_out=r.migrations_out,
+        preemptions=sum(r.preemptions.values()),
+        evictions=r.evictions,
+        tenant_live_blocks=dict(r.tenant_live_blocks),
+        total_blocks=r.total_blocks,
+        free_blocks=r.free_blocks,
+        live_blocks=r.live_blocks,
+        cached_blocks=r.cached_blocks,
+        peak_live_blocks=r.peak_live_blocks,
+        num_running=r.num_running,
+        num_waiting=r.num_waiting,
+    )

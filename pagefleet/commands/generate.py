@@ -17,8 +17,7 @@ from pagefleet.cli import CommandError
 from pagefleet.commands import preflight
 from pagefleet.commands.target import TARGET_HELP, describe_rpc_error, parse_target
 from pagefleet.worker.config import DEFAULT_DTYPE, KV_CACHE_DTYPES
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from pagefleet.worker.model_files import DEFAULT_MODEL
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,6 +53,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="offline: what the KV cache stores (auto = the model dtype; float16 halves it)",
     )
     parser.add_argument("--device", default="cpu", help="offline: cpu or cuda[:N]")
+    parser.add_argument(
+        "--kv-memory",
+        default=None,
+        metavar="SIZE",
+        help="offline: the KV pool's size, e.g. 512MiB, 8G, 2GB (default: the engine's, from "
+        "the free memory)",
+    )
     parser.add_argument("--target", default=None, metavar="HOST:PORT", help=TARGET_HELP)
     parser.add_argument("--pool", default="", help="with --target: the pool to use")
     parser.add_argument(
@@ -68,7 +74,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Generate and stream; exit code 0 on success."""
     from pagefleet.worker.sampling_params import SamplingParams
+    from pagefleet.worker.sizes import parse_bytes
 
+    try:
+        args.kv_memory_bytes = None if args.kv_memory is None else parse_bytes(args.kv_memory)
+    except ValueError as exc:
+        raise CommandError(f"--kv-memory: {exc}") from exc
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -105,6 +116,7 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
+            kv_memory_bytes=args.kv_memory_bytes,
         )
         engine = LLMEngine(config)
         prompt: str | list[int] = args.prompt

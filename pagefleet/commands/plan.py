@@ -25,7 +25,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "checkpoint directory, or a config.json",
     )
     parser.add_argument(
-        "--budget", default="4GiB", help="KV memory budget, e.g. 4GiB, 512MiB, 80GB"
+        "--budget", default="4GiB", help="KV memory budget, e.g. 4GiB, 8G (binary), 80GB (decimal), 1000000"
     )
     parser.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV block (power of two)"
@@ -97,8 +97,9 @@ def _config_value(config: Any, name: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pagefleet.cli import CommandError
-    from pagefleet.worker.capacity import CapacityPlan, parse_bytes
+    from pagefleet.worker.capacity import CapacityPlan
     from pagefleet.worker.kv_cache import ModelShape, parse_dtype
+    from pagefleet.worker.sizes import parse_bytes
 
     try:
         budget = parse_bytes(args.budget)

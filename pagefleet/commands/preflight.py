@@ -92,8 +92,65 @@ def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
     if not local:
         return
     for i, pool in enumerate(config.pools):
-        problem = model_problem(pool.model)
+        problem = model_problem(pool.engine.model)
         if problem is None and pool.device == "cuda":
             problem = device_problem("cuda")
         if problem is not None:
             raise CommandError(f"pools[{i}] ({pool.name}): {problem}")
+    check_kv_fits(config)
+
+
+def kv_bytes_per_block(pool: Any) -> int:
+    """KV bytes of one block of `pool`, from its model's config (layers, KV heads, head
+    dim) and its KV cache dtype."""
+    from pagefleet.commands.plan import load_model_config
+    from pagefleet.worker.kv_cache import ModelShape
+
+    _, model_config = load_model_config(pool.model)
+    dtype = pool.dtype if pool.kv_cache_dtype == "auto" else pool.kv_cache_dtype
+    return ModelShape.from_hf_config(model_config, dtype).bytes_per_block(pool.block_size)
+
+
+def check_kv_fits(config: Any) -> None:
+    """Refuse a KV pool this machine cannot hold: the blocks of every CPU worker together
+    against its memory, one GPU worker's against one GPU's. (Only explicit sizes:
+    `num_kv_blocks` or `kv_memory_bytes`; a pool sized from free memory fits by design.)"""
+    import psutil
+
+    from pagefleet.worker.capacity import format_bytes
+
+    memory = psutil.virtual_memory().total
+    taken = 0  # by the CPU pools before this one
+    for i, pool in enumerate(config.pools):
+        if pool.num_kv_blocks is None and pool.kv_memory_bytes is None:
+            continue
+        block = kv_bytes_per_block(pool)
+        blocks = pool.num_kv_blocks if pool.num_kv_blocks is not None else pool.kv_memory_bytes // block
+        on_gpu = pool.device == "cuda" or (pool.device == "auto" and _gpus() > 0)
+        if on_gpu:  # one worker per GPU
+            limit, what, workers = _gpu_memory(), "one GPU's memory", 1
+        else:
+            limit, what, workers = memory - taken, "this machine's memory", pool.workers
+            if taken:
+                what += " left by the pools before it"
+        if blocks * block * workers > limit:
+            together = "" if on_gpu else f", {format_bytes(blocks * block * workers)} for its {workers}"
+            raise CommandError(
+                f"pools[{i}] ({pool.name}): {blocks} KV blocks of {format_bytes(block)} need "
+                f"{format_bytes(blocks * block)} per worker{together}, more than {what} "
+                f"({format_bytes(limit)}): at most {limit // (block * workers)} blocks per worker fit"
+            )
+        if not on_gpu:
+            taken += blocks * block * workers
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpu_memory() -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)

@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     import ray
 
-    from pagefleet.cluster.app import NAMESPACE, use_cluster_token
+    from pagefleet.cluster.app import use_cluster_token
     from pagefleet.cluster.membership import MembershipError, describe_change, get_membership
+    from pagefleet.cluster.names import NAMESPACE
 
     if not ray.is_initialized():
         use_cluster_token()

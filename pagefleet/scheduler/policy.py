@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from pagefleet.worker.block_table import request_claim
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.preemption import VictimCandidate, victim_order
 
-ADMISSION_MODES = ("full", "prompt")
+AdmissionMode = Literal["full", "prompt"]
+ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
 
 
 def blocks_for_prompt(num_tokens: int, block_size: int, matched_blocks: int = 0) -> int:

@@ -123,7 +123,7 @@ class WorkerActor:
         self._ensure_reporter()
         request_id = request.request_id
         self._active.add(request_id)
-        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+        prompt = list(request.prompt)
         try:
             if request.kv is not None:
                 task = asyncio.ensure_future(self._import_kv(request_id, request.kv))
@@ -134,7 +134,12 @@ class WorkerActor:
                     yield TokenDelta(finish_reason="abort")
                     return
             stream = self._engine.generate(
-                request_id, prompt, request.params, priority=request.priority, salt=request.salt
+                request_id,
+                prompt,
+                request.params,
+                priority=request.priority,
+                salt=request.salt,
+                adapter=request.adapter,
             )
             async for out in stream:
                 self._progress += len(out.new_token_ids) or 1
@@ -314,12 +319,14 @@ class WorkerActor:
     def _kv_batch(self, snapshot: bool) -> bytes:
         """The next KV batch: the events since the last one, or a snapshot of every held hash."""
         self._kv_seq += 1
-        if snapshot:
-            events = self._engine.snapshot_kv()
-        else:
-            events = self._engine.drain_kv_events()
+        events, adapters = self._engine.kv_events(snapshot)
         return KVEventBatch.from_engine(
-            self.worker_id, self._kv_seq, events, reset=snapshot, incarnation=self.incarnation
+            self.worker_id,
+            self._kv_seq,
+            events,
+            reset=snapshot,
+            incarnation=self.incarnation,
+            adapters=adapters,
         ).encode()
 
     def _ensure_reporter(self) -> None:

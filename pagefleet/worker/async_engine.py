@@ -127,6 +127,7 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         salt: str | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request until all its completions finish.
 
@@ -140,7 +141,9 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, params, priority, arrival_time, salt)
+                self.engine.add_request(
+                    request_id, prompt, params, priority, arrival_time, salt, adapter
+                )
             except Exception as exc:
                 _resolve(added, exc)
                 return
@@ -197,16 +200,6 @@ class AsyncEngine:
         with self._between_steps():
             return self.engine.stats()
 
-    def tenant_live_blocks(self) -> dict[str, int]:
-        """`LLMEngine.tenant_live_blocks`, between two steps."""
-        with self._between_steps():
-            return self.engine.tenant_live_blocks()
-
-    def block_claims(self) -> BlockClaims:
-        """`LLMEngine.block_claims`, between two steps."""
-        with self._between_steps():
-            return self.engine.block_claims()
-
     def report_state(self, preemptions_seen: int) -> ReportState:
         """Everything a load report needs, read between the same two steps (one wait for
         the lock, so a busy engine still reports on time).
@@ -230,30 +223,23 @@ class AsyncEngine:
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
             )
 
-    def tenant_cap_refusals(self) -> dict[str, int]:
-        """`LLMEngine.tenant_cap_refusals`, between two steps."""
-        with self._between_steps():
-            return self.engine.tenant_cap_refusals()
-
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
         with self._between_steps():
             return self.engine.evict_cached(n)
 
-    def drain_kv_events(self) -> list[tuple[str, bytes]]:
-        """Prefix-cache events since the last drain (waits for the current step to end)."""
+    def kv_events(self, snapshot: bool) -> tuple[list[tuple[str, bytes]], tuple[str, ...]]:
+        """Prefix-cache events since the last drain (with `snapshot`, every held hash as
+        `LLMEngine.snapshot_kv`), and the adapter of each (`LLMEngine.kv_event_adapters`),
+        between two steps."""
         with self._between_steps():
-            return self.engine.drain_kv_events()
+            events = self.engine.snapshot_kv() if snapshot else self.engine.drain_kv_events()
+            return events, self.engine.kv_event_adapters(events)
 
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """`LLMEngine.mark_duplicated`, between two steps."""
         with self._between_steps():
             self.engine.mark_duplicated(hashes)
-
-    def snapshot_kv(self) -> list[tuple[str, bytes]]:
-        """`LLMEngine.snapshot_kv`, between two steps."""
-        with self._between_steps():
-            return self.engine.snapshot_kv()
 
     def check_integrity(self) -> None:
         """The engine's consistency check, between steps."""

@@ -25,6 +25,13 @@ Each step, in order:
    another (a group of prompts sharing a prefix, submitted together) waits a
    step and then reuses it; the sequences behind it may go first.
 
+LoRA adapters (`EngineConfig.lora_adapters`): a waiting sequence with an
+adapter is admitted only when the adapter is resident or can be loaded into a
+slot (a free one, or evicting the least recently used adapter that no running
+or swapped sequence uses). When none can be had it is passed over, keeping
+its place, and so is every adapter request behind it in that step (base-model
+requests still go): the in-use slots drain and it cannot be starved.
+
 Preemption modes: "recompute" frees the blocks and requeues the sequence at
 the front (its prompt and generated tokens are computed again, usually
 hitting its own just-cached blocks); "swap" copies the blocks to a bounded
@@ -47,6 +54,7 @@ from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.kv_cache import KVCache
+from pagefleet.worker.lora import LoRAManager
 from pagefleet.worker.offload import KVTier, revive_offloaded
 from pagefleet.worker.preemption import (
     VictimCandidate,
@@ -95,9 +103,15 @@ class BatchScheduler:
     """Queues (waiting, running, swapped) and the decisions of each step."""
 
     def __init__(
-        self, config: EngineConfig, pool: BlockPool, kv: KVCache, offload: KVTier | None = None
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        kv: KVCache,
+        offload: KVTier | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.pool = pool
         self.kv = kv
         self.offload = offload
@@ -358,15 +372,26 @@ class BatchScheduler:
         bs = self.block_size
         caching = self.config.enable_prefix_caching
         inflight = self._inflight_hashes() if caching else set()
-        # Passed over this step (a prefix being computed, or the tenant at its cap):
-        # they keep their places, ahead of the rest.
+        # Passed over this step (a prefix being computed, the tenant at its cap, or no
+        # free LoRA slot): they keep their places, ahead of the rest.
         passed: list[Sequence] = []
+        adapters_in_use = self._adapters_in_use()
+        slot_wait = False  # a sequence found no LoRA slot: later adapter requests wait too
         while self.waiting and self._room(out, budget):
             seq = self.waiting[0]
             if above is not None and seq.priority <= above:
                 break  # swapped work of this priority or higher comes back first
             # The last prompt token is always computed: its logits are needed.
             hashes = seq.full_block_hashes(seq.num_tokens - 1, bs) if caching else []
+            adapter = seq.request.adapter
+            if adapter is not None and (
+                slot_wait or not self._can_get_slot(adapter, adapters_in_use)
+            ):
+                # Every slot holds an adapter running requests use. The adapter requests
+                # behind it wait as well, so the slots drain and it is not starved.
+                slot_wait = True
+                passed.append(self.waiting.popleft())
+                continue
             if inflight and self._follows_inflight(hashes, inflight):
                 # Its next uncached block is being computed by a sequence admitted
                 # earlier: admitted a step later, it hits that block instead of
@@ -403,6 +428,11 @@ class BatchScheduler:
                 self.quota.refuse(seq.request.salt)
                 passed.append(self.waiting.popleft())
                 continue
+            if adapter is not None:
+                assert self.lora is not None
+                placed = self.lora.acquire(adapter, adapters_in_use)  # loads it on first use
+                assert placed, f"no LoRA slot for {adapter!r} after can_acquire"
+                adapters_in_use.add(adapter)
             result = table.append_slots(n)
             self.waiting.popleft()
             seq.table = table
@@ -418,6 +448,17 @@ class BatchScheduler:
             budget -= n
             inflight.update(hashes[num_hit_blocks:])
         self.waiting.extendleft(reversed(passed))  # back in their order, ahead of the rest
+
+    def _adapters_in_use(self) -> set[str]:
+        """Adapters of the running and swapped sequences: their slots are never evicted."""
+        return {
+            name
+            for seq in [*self.running, *self.swapped]
+            if (name := seq.request.adapter) is not None
+        }
+
+    def _can_get_slot(self, adapter: str, in_use: set[str]) -> bool:
+        return self.lora is not None and self.lora.can_acquire(adapter, in_use)
 
     def _inflight_hashes(self) -> set[bytes]:
         """Hashes of prompt blocks that running sequences are still computing."""

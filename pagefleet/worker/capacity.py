@@ -8,51 +8,11 @@ tokens up front, so the budget is spent on tokens that exist.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.kv_cache import ModelShape
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    # Bare K/M/G/T are binary, as in most memory flags (`--memory 4G`).
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes in a size such as "4GiB", "512MiB", "1.5GB", "8G" (binary) or "1000000"."""
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"cannot parse size {text!r}: expected a number with an optional unit "
-            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: float) -> str:
-    """A size in the largest binary unit that keeps it >= 1, e.g. "4.00 GiB"."""
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        scale = _UNITS[unit.lower()]
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+from pagefleet.worker.sizes import format_bytes
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from pagefleet.worker.block_pool import is_valid_block_size
+from pagefleet.worker.sizes import ByteSize
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -21,6 +24,19 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 # The CPU KV pool when the host's available memory cannot be read (not Linux):
 # plenty for the built-in model and small enough for any laptop.
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+
+
+class InvalidField(ValueError):
+    """A setting that breaks a rule: `field` names it, `reason` says why.
+
+    Reads "field reason"; a config file that holds the setting reports it at
+    its own path (`pools[0].block_size: must be a power of two ...`).
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field = field
+        self.reason = reason
 
 
 def available_host_memory() -> int | None:
@@ -73,19 +89,28 @@ class EngineConfig:
     `tenant_max_live_blocks` caps the live blocks of a tenant, as
     ``(salt, max_blocks)`` pairs keyed by the request's prefix-cache salt
     (see `worker.tenant_quota`).
+    `lora_adapters` names the PEFT LoRA adapters this engine serves, as a
+    mapping or ``(name, directory)`` pairs (stored as sorted pairs); a
+    request selects one by name. `max_loras` adapters are resident in device
+    slots at once (loaded on first use, least recently used evicted);
+    `max_lora_rank` is the largest rank accepted (see `worker.lora`).
     """
+
+    # Read by pydantic when a cluster config embeds these settings in a pool:
+    # strict types (no "16" for 16), unknown names refused.
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"strict": True, "extra": "forbid"}
 
     model: str | Path = "tiny"
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_memory_bytes: int | None = None
+    kv_memory_bytes: ByteSize | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space_bytes: int = 1024 * 1024 * 1024
-    kv_offload_bytes: int = 0
+    swap_space_bytes: ByteSize = 1024 * 1024 * 1024
+    kv_offload_bytes: ByteSize = 0
     dtype: str = DEFAULT_DTYPE
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
@@ -93,49 +118,75 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_memory_fraction: float = 0.1
     tenant_max_live_blocks: tuple[tuple[str, int], ...] = ()
+    lora_adapters: Mapping[str, str | Path] | tuple[tuple[str, str | Path], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_adapters", _adapter_pairs(self.lora_adapters))
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if not is_valid_block_size(self.block_size):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+            raise InvalidField("block_size", f"must be a power of two >= 1, got {self.block_size}")
+        for name in ("num_kv_blocks", "kv_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidField(name, f"must be >= 1, got {value}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+            raise InvalidField("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidField(name, f"must be >= 1, got {getattr(self, name)}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            raise InvalidField(
+                "preemption_mode", f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
-        if self.kv_offload_bytes < 0:
-            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        for name in ("swap_space_bytes", "kv_offload_bytes"):
+            if getattr(self, name) < 0:
+                raise InvalidField(name, f"must be >= 0, got {getattr(self, name)}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
-            raise ValueError(
-                "kv_offload_bytes needs enable_prefix_caching: the offload tier holds "
-                "prefix-cache blocks by their hash"
+            raise InvalidField(
+                "kv_offload_bytes",
+                "needs enable_prefix_caching: the offload tier holds prefix-cache blocks by their hash",
             )
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise InvalidField("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            raise InvalidField(
+                "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         for salt, cap in self.tenant_max_live_blocks:
             if cap < 1:
-                raise ValueError(f"tenant_max_live_blocks for salt {salt!r} must be >= 1, got {cap}")
+                raise InvalidField("tenant_max_live_blocks", f"for salt {salt!r} must be >= 1, got {cap}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            raise InvalidField(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if not 0.0 < self.cpu_kv_memory_fraction <= 0.9:
-            raise ValueError(
-                f"cpu_kv_memory_fraction must be in (0, 0.9], got {self.cpu_kv_memory_fraction}"
+            raise InvalidField(
+                "cpu_kv_memory_fraction", f"must be in (0, 0.9], got {self.cpu_kv_memory_fraction}"
             )
+
+
+def _adapter_pairs(
+    adapters: Mapping[str, str | Path] | tuple[tuple[str, str | Path], ...],
+) -> tuple[tuple[str, str], ...]:
+    """`lora_adapters` as sorted (name, directory) pairs, every name checked once."""
+    pairs = list(adapters.items()) if isinstance(adapters, Mapping) else list(adapters)
+    names: set[str] = set()
+    out: list[tuple[str, str]] = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"lora_adapters entries must be (name, directory) pairs, got {pair!r}")
+        name, path = pair
+        if not isinstance(name, str) or not name or name != name.strip() or " " in name:
+            raise ValueError(f"LoRA adapter name must be a non-empty string without spaces, got {name!r}")
+        if name in names:
+            raise ValueError(f"LoRA adapter name {name!r} is listed twice")
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise ValueError(f"LoRA adapter {name!r} needs a directory, got {path!r}")
+        names.add(name)
+        out.append((name, str(path)))
+    return tuple(sorted(out))

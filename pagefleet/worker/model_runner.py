@@ -14,7 +14,8 @@ with `UnsupportedModelError`, never served wrongly: see `check_supported`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 
 from pagefleet.kernels.cpu_decode import decode_kernel
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
+from pagefleet.worker.lora import LoRAManager
 from pagefleet.worker.model_files import check_weights, load_tokenizer, resolve_model_path
 from pagefleet.worker.paged_attention_hf import (
     ATTN_IMPLEMENTATION,
@@ -59,6 +61,8 @@ class StepBatch:
     query_start_loc: list[int]  # [num_seqs + 1], cumulative new-token counts
     context_lens: list[int]  # per sequence: cached + new tokens
     block_tables: list[list[int]]  # per sequence: physical block ids
+    # per sequence: its adapter's LoRA slot, -1 for the base model (None: all base)
+    lora_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +80,8 @@ class StepBatch:
                 f"input_ids, positions and slot_mapping must have one entry per token: "
                 f"{n}, {len(self.positions)}, {len(self.slot_mapping)}"
             )
+        if self.lora_slots is not None and len(self.lora_slots) != s:
+            raise ValueError(f"lora_slots needs one entry per sequence: {s}, got {len(self.lora_slots)}")
         if len(self.query_start_loc) != s + 1 or len(self.block_tables) != s:
             raise ValueError(
                 f"query_start_loc needs num_seqs + 1 = {s + 1} entries (got "
@@ -173,6 +179,9 @@ class ModelRunner:
 
     `kv_cache_dtype` is the dtype the KV cache stores: "auto" (the model
     `dtype`) or a narrower one (e.g. "float16" under a float32 model).
+    `lora_adapters` (name -> PEFT adapter directory) wraps the projections
+    they target once, at load (`self.lora`, a `LoRAManager`; None without
+    adapters, and then nothing is wrapped).
     """
 
     def __init__(
@@ -181,6 +190,9 @@ class ModelRunner:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         kv_cache_dtype: str | torch.dtype = "auto",
+        lora_adapters: Mapping[str, str | Path] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -217,6 +229,9 @@ class ModelRunner:
         self.hf_config = self.model.config
         self._base_model = getattr(self.model, self.model.base_model_prefix)
         self._lm_head = self.model.get_output_embeddings()
+        self.lora: LoRAManager | None = None
+        if lora_adapters:
+            self.lora = LoRAManager(self.model, lora_adapters, max_loras, max_lora_rank)
         # None when the directory ships no tokenizer: the model is then served from token ids.
         self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None
@@ -279,15 +294,27 @@ class ModelRunner:
         device = self.device
         input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([batch.positions], dtype=torch.long, device=device)
-        hidden = self._base_model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            **{METADATA_KWARG: metadata},
-        ).last_hidden_state
+        with self._lora_batch(batch):
+            hidden = self._base_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                **{METADATA_KWARG: metadata},
+            ).last_hidden_state
         last_rows = torch.tensor(batch.query_start_loc[1:], dtype=torch.long, device=device) - 1
         logits = self._lm_head(hidden[0].index_select(0, last_rows))
         return logits.to(out_dtype)
+
+    def _lora_batch(self, batch: StepBatch) -> AbstractContextManager[None]:
+        """Each packed token's LoRA slot, set on the wrapped projections for the forward."""
+        if self.lora is None or batch.lora_slots is None:
+            return nullcontext()
+        token_slots = [
+            slot
+            for slot, (a, b) in zip(batch.lora_slots, pairwise(batch.query_start_loc), strict=True)
+            for _ in range(b - a)
+        ]
+        return self.lora.batch(token_slots, self.device)
 
     def _metadata(self, batch: StepBatch, kv: KVCache) -> PagedAttentionMetadata:
         device = self.device

@@ -54,6 +54,10 @@ class Request:
     arrival_time: float
     salt: str | None
     base_seed: int
+    # The LoRA adapter (by name; None: the base model) and its `name:hash` identity,
+    # which every prefix hash of the request carries.
+    adapter: str | None = None
+    adapter_id: str | None = None
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False  # siblings 1..n-1 exist
@@ -114,7 +118,11 @@ class Sequence:
         if len(self.block_hashes) < full:
             self.block_hashes.extend(
                 extend_block_hashes(
-                    self.block_hashes, self.token_ids, block_size, salt=self.request.salt
+                    self.block_hashes,
+                    self.token_ids,
+                    block_size,
+                    salt=self.request.salt,
+                    adapter_id=self.request.adapter_id,
                 )
             )
         return self.block_hashes[:full]

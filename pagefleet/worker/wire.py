@@ -1,8 +1,7 @@
 """The typed messages of the busiest boundary: one request into a worker, deltas out.
 
-The ingress tokenizes once and sends a `WorkerRequest` (token ids or, on a
-first attempt, the client's text, plus validated sampling params); the
-worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
+The ingress tokenizes once and sends a `WorkerRequest` (token ids only,
+plus validated sampling params); the worker streams `TokenDelta`s back. Both are frozen dataclasses that Ray
 pickles, so no string-keyed dict crosses the boundary and a field rename is
 a type error, not a KeyError at run time. A migration by KV transfer adds a
 `KVHandoff` to the source's last delta, which the ingress passes on in the
@@ -25,7 +24,7 @@ class KVHandoff:
     bytes (`kv_migration.to_bytes`): `len(block_hashes)` blocks of
     `block_shape` (`[layers, 2, block_size, kv_heads, head_dim]`) in `dtype`,
     `blocks[i]` registered under the chained prefix hash `block_hashes[i]`
-    (salted by the tenant, so only its requests can hit them).
+    (salted by the tenant and the adapter, so only its requests can hit them).
     """
 
     block_hashes: tuple[bytes, ...]
@@ -44,18 +43,20 @@ class WorkerRequest:
     """One generation request as a worker receives it.
 
     `request_id` is unique at the worker (the ingress tags it with its
-    replica id); `salt` is the tenant's prefix-cache salt. `kv`: the blocks
+    replica id); `salt` is the tenant's prefix-cache salt; `adapter` the name of
+    the worker's LoRA adapter to generate with (None: the base model). `kv`: the blocks
     of this request another worker handed it off with; the worker imports
     them before it admits the request (or, if they cannot be fetched,
     recomputes them).
     """
 
     request_id: str
-    prompt: str | tuple[int, ...]
+    prompt: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
     salt: str | None = None
     kv: KVHandoff | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+"""Ray's autoscaler launches a node of manifests/cluster.yaml's GPU type for a GPU
+request, a pagefleet worker runs and serves there, and the node goes once the
+request is withdrawn and the worker removed (the fake multi-node provider:
+tests/fake_autoscaler.py).
+
+The head has no CPUs (the manifest's head runs the ingress, router and scheduler,
+which ask for none), so a CPU worker can only run on a node the autoscaler
+launched. The worker asks for CPU only: a pool's `device: cpu` worker that asks
+for a GPU (`num_gpus_per_worker: 1`) is put on CUDA by membership today.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from cluster_fixtures import (
+    generate,
+    offline_tiny,
+    pool_status,
+    small_cluster_config,
+    tokens_of,
+    wait_until_no_block_leaked,
+)
+from fake_autoscaler import (
+    GPU_NODE_RESOURCES,
+    GPU_NODE_TYPE,
+    IDLE_TIMEOUT_S,
+    FakeAutoscalingCluster,
+    fake_autoscaling_cluster,
+)
+from ray.autoscaler.sdk import request_resources
+from ray.exceptions import RayActorError
+
+from pagefleet import SamplingParams
+from pagefleet.cluster.app import RunningCluster, start_cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
+
+__all__ = ["fake_autoscaling_cluster"]  # the module-scoped fixture, used by name
+
+PROMPT = "A worker on a node the autoscaler launched"
+MAX_TOKENS = 12
+LAUNCH_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def gpu_node(fake_autoscaling_cluster: FakeAutoscalingCluster) -> dict[str, Any]:
+    """The node the autoscaler launched for a one-GPU request."""
+    request_resources(bundles=[{"GPU": 1}])
+    fake_autoscaling_cluster.wait_for_nodes(2, LAUNCH_TIMEOUT_S)
+    (node,) = fake_autoscaling_cluster.gpu_nodes()
+    return node
+
+
+@pytest.fixture(scope="module")
+def pagefleet_on_gpu_node(gpu_node: dict[str, Any]) -> Iterator[RunningCluster]:
+    running = start_cluster(small_cluster_config(workers=1), grpc_port=0, metrics_port=None)
+    yield running
+    with contextlib.suppress(RayActorError):  # the node-removal test shut it down already
+        running.shutdown()
+
+
+def test_a_gpu_request_launches_a_node_of_the_gpu_type(
+    fake_autoscaling_cluster: FakeAutoscalingCluster, gpu_node: dict[str, Any]
+) -> None:
+    assert {k: gpu_node["Resources"][k] for k in GPU_NODE_RESOURCES} == GPU_NODE_RESOURCES
+    assert f"Launching 1 nodes, type {GPU_NODE_TYPE}." in fake_autoscaling_cluster.monitor_log()
+
+
+def test_a_pagefleet_worker_runs_on_the_launched_node_and_serves(
+    gpu_node: dict[str, Any], pagefleet_on_gpu_node: RunningCluster
+) -> None:
+    target = pagefleet_on_gpu_node.grpc_target
+    (worker,) = pool_status(target).workers
+    assert worker.node_id == gpu_node["NodeID"]
+    got = generate(target, PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = offline_tiny().generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert tokens_of(got) == want[0].token_ids
+    wait_until_no_block_leaked(pagefleet_on_gpu_node.workers["default"])
+
+
+def test_the_node_goes_once_the_request_is_withdrawn_and_the_worker_removed(
+    fake_autoscaling_cluster: FakeAutoscalingCluster,
+    gpu_node: dict[str, Any],
+    pagefleet_on_gpu_node: RunningCluster,
+) -> None:
+    request_resources(bundles=[])
+    pagefleet_on_gpu_node.shutdown()
+    fake_autoscaling_cluster.wait_for_nodes(1, IDLE_TIMEOUT_S + 120)
+    assert fake_autoscaling_cluster.gpu_nodes() == []
