@@ -176,6 +176,7 @@ class WorkerStatus(_message.Message):
         "live_blocks",
         "migrations_out",
         "node_id",
+        "node_ip",
         "num_running",
         "num_waiting",
         "peak_live_blocks",
@@ -203,6 +204,7 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -220,6 +222,7 @@ class WorkerStatus(_message.Message):
     node_id: str
     migrations_out: int
     draining: bool
+    node_ip: str
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -239,6 +242,7 @@ class WorkerStatus(_message.Message):
         node_id: str | None = ...,
         migrations_out: int | None = ...,
         draining: bool | None = ...,
+        node_ip: str | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
@@ -255,6 +259,8 @@ class PoolStatus(_message.Message):
         "num_waiting",
         "peak_live_blocks",
         "router_policy",
+        "scale_reason",
+        "target_workers",
         "total_blocks",
         "workers",
     )
@@ -272,6 +278,8 @@ class PoolStatus(_message.Message):
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     router_policy: str
@@ -286,6 +294,8 @@ class PoolStatus(_message.Message):
     live_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     migrations: int
+    target_workers: int
+    scale_reason: str
     def __init__(
         self,
         name: str | None = ...,
@@ -302,6 +312,8 @@ class PoolStatus(_message.Message):
         live_workers: int | None = ...,
         workers: _Iterable[WorkerStatus | _Mapping] | None = ...,
         migrations: int | None = ...,
+        target_workers: int | None = ...,
+        scale_reason: str | None = ...,
     ) -> None: ...
 
 class StatusResponse(_message.Message):
