@@ -157,32 +157,34 @@ class Membership:
             for i in range(len(self._members[pool.name])):
                 for attempt in range(1, attempts + 1):
                     member = self._members[pool.name][i]
-                    try:
-                        await asyncio.wait_for(
-                            asyncio.wrap_future(member.loaded), max(1.0, deadline - time.monotonic())
-                        )
-                        break
-                    except (asyncio.TimeoutError, GetTimeoutError):
+                    # asyncio.wait, not wait_for: a timeout must not cancel the load.
+                    loaded = asyncio.wrap_future(member.loaded)
+                    done, _ = await asyncio.wait({loaded}, timeout=max(1.0, deadline - time.monotonic()))
+                    if not done:
                         unplaced = sum(not m.loaded.done() for m in self._members[pool.name])
                         shape = self._shape(pool)
                         return f"{cannot_place(pool.name, shape, unplaced, cluster_nodes())} (waited {timeout_s:g}s)"
-                    except RayActorError as exc:
-                        cause = load_failure(exc)
-                        logger.warning(
-                            "pool %s: worker %s failed to load (attempt %d of %d): %s",
-                            pool.name, member.worker_id, attempt, attempts, cause,
+                    exc = loaded.exception()
+                    if exc is None:
+                        break
+                    if not isinstance(exc, RayActorError):
+                        raise exc
+                    cause = load_failure(exc)
+                    logger.warning(
+                        "pool %s: worker %s failed to load (attempt %d of %d): %s",
+                        pool.name, member.worker_id, attempt, attempts, cause,
+                    )
+                    ray.kill(member.handle, no_restart=True)
+                    if attempt == attempts:
+                        return (
+                            f"pool {pool.name}: worker {member.worker_id} failed to load "
+                            f"{attempts} times: {cause}"
                         )
-                        ray.kill(member.handle, no_restart=True)
-                        if attempt == attempts:
-                            return (
-                                f"pool {pool.name}: worker {member.worker_id} failed to load "
-                                f"{attempts} times: {cause}"
-                            )
-                        self._members[pool.name].remove(member)
-                        replacement = self._create(pool)
-                        # Keep the configured order: the replacement takes the dead one's place.
-                        self._members[pool.name].remove(replacement)
-                        self._members[pool.name].insert(i, replacement)
+                    self._members[pool.name].remove(member)
+                    replacement = self._create(pool)
+                    # Keep the configured order: the replacement takes the dead one's place.
+                    self._members[pool.name].remove(replacement)
+                    self._members[pool.name].insert(i, replacement)
         return None
 
     # ----- changes --------------------------------------------------------
