@@ -174,7 +174,10 @@ def test_format_status_prints_one_row_per_worker() -> None:
             pb.PoolStatus(
                 name="p",
                 workers=[
-                    pb.WorkerStatus(worker_id="p-0", alive=True, total_blocks=8, free_blocks=8),
+                    pb.WorkerStatus(
+                        worker_id="p-0", alive=True, total_blocks=8, free_blocks=8,
+                        node_ip="10.0.0.7", node_id="0123456789abcdef",
+                    ),
                     pb.WorkerStatus(worker_id="p-1", alive=False),
                 ],
             )
@@ -182,7 +185,8 @@ def test_format_status_prints_one_row_per_worker() -> None:
     )
     lines = format_status(status).splitlines()
     assert lines[0].startswith("pool p:")
-    assert lines[2].split()[:4] == ["p-0", "yes", "8", "8"]
+    assert lines[1].split()[:3] == ["worker", "alive", "node"]
+    assert lines[2].split()[:6] == ["p-0", "yes", "10.0.0.7", "01234567", "8", "8"]
     assert lines[3].split()[:2] == ["p-1", "no"]
 
 

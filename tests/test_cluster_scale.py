@@ -171,20 +171,26 @@ def test_removing_the_last_worker_is_refused_and_it_keeps_serving(
     assert generate(cluster.grpc_target, "still serving", max_tokens=2)[-1].worker_id == last
 
 
-def test_a_worker_ray_cannot_place_is_reported_and_its_id_never_reused(
+def test_a_worker_ray_cannot_place_is_refused_up_front_or_rolled_back_and_its_id_never_reused(
     cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     free = ray.available_resources().get("CPU", 0.0)
     hog = placement_group([{"CPU": free}])  # every free CPU: a new worker cannot be placed
     ray.get(hog.ready(), timeout=60)
     try:
-        assert main(["scale", "--pool", "default", "--workers", "2", "--timeout", "3"]) == 2
+        assert main(["scale", "--pool", "default", "--workers", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "scale of pool 'default' to 2 refused, nothing was started" in err
+        assert "each asks Ray for 0.5 CPU and 0 GPU on any node; the cluster has node " in err
+        args = ["scale", "--pool", "default", "--workers", "2", "--timeout", "3", "--wait-for-nodes"]
+        assert main(args) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err
-        assert "did not start within 3s: it asks Ray for 0.5 CPU and 0 GPU" in err
+        assert "scale of pool 'default' to 2 failed and was rolled back (none had started" in err
+        assert "did not start within 3s: pool 'default': 1 worker(s) cannot be placed" in err
         assert "it was not added" in err
     finally:
         remove_placement_group(hog)
     # Its id was new (default-1 and default-2 were removed before): ids are never reused.
-    assert "worker default-3 of pool 'default'" in err
+    assert "worker default-3 did not start within 3s" in err
     assert len(_workers(cluster)) == 1 and pool_status(cluster.grpc_target).live_workers == 1

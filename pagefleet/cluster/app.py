@@ -276,6 +276,7 @@ def _start_on_ray(
     membership = start_membership(config, namespace, schedulers)
     problem = ray.get(membership.wait_loaded.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
     if problem is not None:
+        _stop_started(membership, schedulers)
         raise StartError(problem)
     workers = ray.get(membership.members.remote(), timeout=ready_timeout_s)
     serve.start(http_options={"location": "NoServer"})
@@ -328,6 +329,15 @@ def _start_on_ray(
     )
 
 
+def _stop_started(membership: Any, schedulers: tuple[Any, ...]) -> None:
+    """Undo a start that failed before Serve: the workers, their owner, the schedulers."""
+    for pool_workers in ray.get(membership.members.remote(), timeout=60).values():
+        for _, handle in pool_workers:
+            ray.kill(handle, no_restart=True)
+    for actor in (membership, *schedulers):
+        ray.kill(actor, no_restart=True)
+
+
 def use_cluster_token(environ: dict[str, str] | None = None) -> bool:
     """Before connecting to a running Ray cluster: send its auth token when one is at hand.
 
@@ -366,6 +376,9 @@ def start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
             stall_timeout_s=config.scheduler.stall_timeout_s,
             index_check_interval_s=config.scheduler.index_check_interval_s,
             migration=config.scheduler.migration_policy(),
+            # On the head node, with the ingress and membership: a worker node's loss
+            # never takes the cluster's view with it.
+            resources={HEAD_NODE_RESOURCE: 0.001},
         )
         for shard in range(config.scheduler.shards)
     )

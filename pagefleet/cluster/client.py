@@ -172,6 +172,7 @@ def format_status(status: pb.StatusResponse) -> str:
     columns = (
         ("worker", 24),
         ("alive", 5),
+        ("node", 24),
         ("total", 6),
         ("free", 6),
         ("live", 6),
@@ -188,16 +189,18 @@ def format_status(status: pb.StatusResponse) -> str:
     for pool in status.pools:
         lines.append(
             f"pool {pool.name}: model={pool.model} router={pool.router_policy} "
-            f"live_workers={pool.live_workers}/{len(pool.workers)} "
+            f"live_workers={pool.live_workers}/{len(pool.workers)} target={pool.target_workers} "
             f"blocks free={pool.free_blocks} live={pool.live_blocks} "
             f"cached={pool.cached_blocks} total={pool.total_blocks} "
             f"hit_rate={100 * pool.hit_rate:.1f}% migrations={pool.migrations}"
+            + (f" last_scaled=({pool.scale_reason})" if pool.scale_reason else "")
         )
         lines.append(header)
         for w in pool.workers:
             cells = (
                 w.worker_id,
                 "yes" if w.alive else "no",
+                f"{w.node_ip} {w.node_id[:8]}".strip(),
                 w.total_blocks,
                 w.free_blocks,
                 w.live_blocks,

@@ -48,6 +48,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 from typing_extensions import Self
 
+from pagefleet.scheduler.autoscale import AutoscalePolicy
 from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, MigrationPolicy
 from pagefleet.worker.config import EngineConfig, InvalidField
 from pagefleet.worker.sizes import ByteSize
@@ -262,7 +263,37 @@ class PoolConfig(Section):
     workers: Annotated[int, Field(ge=1)] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_gpus_per_worker: Annotated[float | None, Field(ge=0)] = None
+    # Ray labels a node must carry to host this pool's workers (`ray start --labels`).
+    node_labels: Annotated[dict[str, str], Field(strict=False)] = Field(default_factory=dict)
+    # Autoscaling bounds (None: `workers`, a fixed size).
+    min_workers: Annotated[int | None, Field(ge=1)] = None
+    max_workers: Annotated[int | None, Field(ge=1)] = None
     engine: EngineConfig = EngineConfig()
+
+    @field_validator("node_labels", mode="before")
+    @classmethod
+    def _label_entries(cls, labels: Any) -> Any:
+        if not isinstance(labels, Mapping):
+            raise ValueError(f"must be dict, got {type(labels).__name__} {labels!r}")
+        for key, value in labels.items():
+            if not (isinstance(key, str) and key and isinstance(value, str) and value):
+                raise ValueError(f"keys and values must be non-empty strings, got {key!r}: {value!r}")
+        return dict(labels)
+
+    @model_validator(mode="after")
+    def _bounds_around_workers(self) -> Self:
+        low, high = self.worker_bounds()
+        if not low <= self.workers <= high:
+            raise InvalidField(
+                "max_workers",
+                f"need 1 <= min_workers <= workers <= max_workers, got {low}, {self.workers}, {high}",
+            )
+        return self
+
+    def worker_bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers), each `workers` when unset: a fixed size."""
+        low = self.workers if self.min_workers is None else self.min_workers
+        return low, self.workers if self.max_workers is None else self.max_workers
 
     @model_validator(mode="before")
     @classmethod
@@ -410,6 +441,12 @@ class SchedulerConfig(Section):
     migration_margin_blocks: Annotated[int, Field(ge=0)] = 4
     migration_cooldown_s: Seconds = 10.0
     migration_transfer: bool | Literal["auto"] = "auto"
+    # Pools with min_workers < max_workers: grow after this long short of blocks
+    # (allocatable below the fraction) with requests waiting, shrink after this long idle.
+    autoscale_free_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    autoscale_out_after_s: Seconds = 10.0
+    autoscale_in_after_s: Seconds = 60.0
+    autoscale_cooldown_s: Seconds = 30.0
 
     @field_validator("admission_overcommit")
     @classmethod
@@ -451,6 +488,13 @@ class SchedulerConfig(Section):
         return EvictionWatermarks(
             self.evict_low_watermark, self.evict_high_watermark, self.replica_aware_eviction
         )
+
+    def autoscale_policy(self, min_workers: int, max_workers: int) -> AutoscalePolicy:
+        """How a pool with these bounds grows and shrinks on load."""
+        return AutoscalePolicy(
+            min_workers, max_workers, self.autoscale_free_fraction, self.autoscale_out_after_s,
+            self.autoscale_in_after_s, self.autoscale_cooldown_s,
+        )  # fmt: skip
 
     def migration_policy(self) -> MigrationPolicy | None:
         """When the scheduler moves a request off a worker short of blocks (None: never)."""

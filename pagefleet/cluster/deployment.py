@@ -9,6 +9,7 @@ asks the `pagefleet-workers` deployment for them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import ray
@@ -20,6 +21,7 @@ from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
 from pagefleet.cluster.gcs_watch import fault_tolerant, watch_gcs
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.membership import get_membership
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.names import worker_actor_name
 from pagefleet.cluster.openai import HttpServer, start_http_server
@@ -27,6 +29,9 @@ from pagefleet.cluster.openai import HttpServer, start_http_server
 # A joined cluster's GCS is lost after this many probes in a row go unanswered (one
 # slow answer on a busy head is not a loss).
 GCS_PROBES_LOST = 3
+SCALING_POLL_S = 2.0  # how often a replica reads each pool's target and actual size
+
+logger = logging.getLogger(__name__)
 
 
 class IngressDeployment:
@@ -58,6 +63,7 @@ class IngressDeployment:
             config, workers, scheduler=schedulers, metrics=self.metrics, resolve_worker=resolve_worker
         )
         self.ingress.start()
+        self._scaling = asyncio.get_running_loop().create_task(self._follow_scaling())
         self.drain = Drain(self.ingress)  # shared by both fronts: one in-flight count
         self.server, self.grpc_port = await start_grpc_server(
             self.ingress, config.server.host, grpc_port, drain=self.drain
@@ -85,6 +91,24 @@ class IngressDeployment:
         self._gcs_watch: asyncio.Task[None] | None = None
         if not fault_tolerant():
             self._gcs_watch = asyncio.ensure_future(watch_gcs(self.drain.start, lost_after=GCS_PROBES_LOST))
+
+    async def _follow_scaling(self) -> None:
+        """Every SCALING_POLL_S: each pool's target and actual size from `pagefleet-membership`
+        (GetStatus `target_workers`, `scale_reason`; metric `pool_workers`). Off the
+        routing path; a missing owner leaves the last answer."""
+        while True:
+            try:
+                membership = await asyncio.to_thread(get_membership)
+                scaling = await membership.autoscale_status.remote()
+                self.ingress.pool_scaling = scaling
+                for pool, entry in scaling.items():
+                    self.metrics.pool_workers.labels(pool, "target").set(entry["target"])
+                    self.metrics.pool_workers.labels(pool, "actual").set(entry["workers"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("pool sizes not read from membership: %s", exc)
+            await asyncio.sleep(SCALING_POLL_S)
 
     async def endpoints(self) -> dict[str, Any]:
         """The ports this replica bound (useful when asked for port 0) and its replica id."""
@@ -147,6 +171,7 @@ class IngressDeployment:
     async def __del__(self) -> None:
         if self._gcs_watch is not None:
             self._gcs_watch.cancel()
+        self._scaling.cancel()
         # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
         # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.
         if not self.drain.draining:

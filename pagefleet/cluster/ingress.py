@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -93,6 +94,8 @@ class Ingress:
     ) -> None:
         self.config = config
         self.tenancy = Tenancy(config)
+        # Per pool, `Membership.autoscale_status()` as last polled (target, reason): GetStatus.
+        self.pool_scaling: dict[str, dict[str, Any]] = {}
         self.metrics = metrics
         # The pid lets an operator (or a test) find the replica's process from a stream.
         self.replica_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -291,10 +294,17 @@ class Ingress:
         exactly like an unknown one.
         """
         names = [self.tenancy.visible_pool(tenant, pool).name] if pool else self.tenancy.visible_pools(tenant)
-        return [
-            self.slots.pool_status(self.config.pool(name), self.policy, self.admission.waiting(name))
-            for name in names
-        ]
+        out = []
+        for name in names:
+            cfg = self.config.pool(name)
+            scaling = self.pool_scaling.get(name, {})
+            status = self.slots.pool_status(cfg, self.policy, self.admission.waiting(name))
+            out.append(dataclasses.replace(
+                status,
+                target_workers=scaling.get("target", cfg.workers),
+                scale_reason=scaling.get("reason", "configured size"),
+            ))  # fmt: skip
+        return out
 
 
 __all__ = ["Ingress"]

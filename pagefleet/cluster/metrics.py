@@ -134,6 +134,10 @@ class IngressMetrics:
         self.worker_alive = Gauge(
             "worker_alive", "1 while the worker is in routing", labels, registry=self.registry
         )
+        self.pool_workers = Gauge(
+            "pool_workers", "a pool's workers: target (autoscaling or scale) and actual (serving)",
+            ("pool", "kind"), registry=self.registry,
+        )  # fmt: skip
         self._prefix_queries = _ReportCounter(
             Counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache", labels, registry=self.registry)
         )

@@ -52,7 +52,12 @@ from pagefleet.cluster.config import (
     Section,
 )
 from pagefleet.cluster.deployment import IngressDeployment, ingress_options
-from pagefleet.cluster.membership import DEFAULT_ADD_TIMEOUT_S, describe_change, start_membership
+from pagefleet.cluster.membership import (
+    DEFAULT_ADD_TIMEOUT_S,
+    MembershipError,
+    describe_change,
+    start_membership,
+)
 from pagefleet.cluster.names import HEAD_NODE_RESOURCE, INGRESS_NAME, WORKERS_NAME
 from pagefleet.worker.config import InvalidField
 
@@ -80,6 +85,13 @@ class WorkerOwner:
         gets the workers added since)."""
         workers: dict[str, list[tuple[str, Any]]] = await self.membership.members.remote()
         return workers
+
+    async def wait_loaded(self, timeout_s: float) -> None:
+        """Return once every worker is placed and loaded; MembershipError saying why a pool
+        cannot start (a load failure, or what it asks Ray for against what the cluster has)."""
+        problem = await self.membership.wait_loaded.remote(timeout_s)
+        if problem is not None:
+            raise MembershipError(problem)
 
     def get_schedulers(self) -> tuple[Any, ...]:
         """The scheduler shards' actor handles (the ingress follows their views)."""
@@ -118,6 +130,7 @@ class ServeIngress(IngressDeployment):
         metrics_port: int | None,
         ready_timeout_s: float,
     ) -> None:
+        await owner.wait_loaded.remote(ready_timeout_s)
         workers = await owner.get_workers.remote()
         schedulers = await owner.get_schedulers.remote()
         namespace = await owner.get_namespace.remote()

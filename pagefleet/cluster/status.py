@@ -37,6 +37,7 @@ class WorkerStatus:
     # Being removed: out of routing while its streams finish.
     draining: bool = False
     node_id: str = ""
+    node_ip: str = ""
     total_blocks: int = 0
     free_blocks: int = 0
     live_blocks: int = 0
@@ -79,6 +80,9 @@ class PoolStatus:
     preemptions: int
     evictions: int
     workers: tuple[WorkerStatus, ...] = ()
+    # The pool's size as membership last set it (autoscaling or `pagefleet scale`), and why.
+    target_workers: int = 0
+    scale_reason: str = ""
 
 
 __all__ = ["BLOCK_FIELDS", "PoolStatus", "WorkerStatus"]

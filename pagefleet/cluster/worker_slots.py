@@ -43,6 +43,7 @@ class WorkerSlot:
     handle: Any
     alive: bool = False
     node_id: str = ""
+    node_ip: str = ""
     report: LoadReport | None = None
     requests_routed: int = 0
     # Being removed: out of routing, but the streams running there stay and finish.
@@ -167,6 +168,7 @@ class WorkerSlots:
             self._on_change(slot.pool)  # waiting requests may now fail or fit elsewhere
             return
         slot.node_id = delta.info.node_id or slot.node_id
+        slot.node_ip = delta.info.node_ip or slot.node_ip
         if delta.report is not None and delta.report.supersedes(slot.report):
             slot.report = delta.report
             self._sample_preemptions(slot.pool)
@@ -254,7 +256,7 @@ def worker_status(slot: WorkerSlot) -> WorkerStatus:
     """One worker's row of the status, from its latest report (zeros before the first)."""
     r = slot.report
     known = WorkerStatus(
-        slot.worker_id, slot.pool, slot.alive, slot.draining, slot.node_id,
+        slot.worker_id, slot.pool, slot.alive, slot.draining, slot.node_id, slot.node_ip,
         requests_routed=slot.requests_routed,
     )  # fmt: skip
     if r is None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagefleet.cli import CommandError
+
+if TYPE_CHECKING:
+    from pagefleet.cluster.config import ClusterConfig, PoolConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
@@ -81,7 +84,7 @@ def check_generate(model: str, device: str) -> None:
         raise CommandError(problem)
 
 
-def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
+def check_serve(config: ClusterConfig, *, local: bool, metrics_port: int | None) -> None:
     """`pagefleet serve`: every pool's model and device, and the metrics port, before Ray starts.
 
     On a remote cluster (`local=False`) the models and GPUs are the nodes', not
@@ -92,7 +95,7 @@ def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
     if not local:
         return
     for i, pool in enumerate(config.pools):
-        problem = model_problem(pool.engine.model)
+        problem = model_problem(str(pool.engine.model))
         if problem is None and pool.device == "cuda":
             problem = device_problem("cuda")
         if problem is not None:
@@ -100,32 +103,34 @@ def check_serve(config: Any, *, local: bool, metrics_port: int | None) -> None:
     check_kv_fits(config)
 
 
-def kv_bytes_per_block(pool: Any) -> int:
+def kv_bytes_per_block(pool: PoolConfig) -> int:
     """KV bytes of one block of `pool`, from its model's config (layers, KV heads, head
     dim) and its KV cache dtype."""
     from pagefleet.commands.plan import load_model_config
     from pagefleet.worker.kv_cache import ModelShape
 
-    _, model_config = load_model_config(pool.model)
-    dtype = pool.dtype if pool.kv_cache_dtype == "auto" else pool.kv_cache_dtype
-    return ModelShape.from_hf_config(model_config, dtype).bytes_per_block(pool.block_size)
+    engine = pool.engine
+    _, model_config = load_model_config(str(engine.model))
+    dtype = engine.dtype if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype
+    return ModelShape.from_hf_config(model_config, dtype).bytes_per_block(engine.block_size)
 
 
-def check_kv_fits(config: Any) -> None:
+def check_kv_fits(config: ClusterConfig) -> None:
     """Refuse a KV pool this machine cannot hold: the blocks of every CPU worker together
     against its memory, one GPU worker's against one GPU's. (Only explicit sizes:
     `num_kv_blocks` or `kv_memory_bytes`; a pool sized from free memory fits by design.)"""
     import psutil
 
-    from pagefleet.worker.capacity import format_bytes
+    from pagefleet.worker.sizes import format_bytes
 
     memory = psutil.virtual_memory().total
     taken = 0  # by the CPU pools before this one
     for i, pool in enumerate(config.pools):
-        if pool.num_kv_blocks is None and pool.kv_memory_bytes is None:
+        num_kv_blocks, kv_memory_bytes = pool.engine.num_kv_blocks, pool.engine.kv_memory_bytes
+        if num_kv_blocks is None and kv_memory_bytes is None:
             continue
         block = kv_bytes_per_block(pool)
-        blocks = pool.num_kv_blocks if pool.num_kv_blocks is not None else pool.kv_memory_bytes // block
+        blocks = num_kv_blocks if num_kv_blocks is not None else (kv_memory_bytes or 0) // block
         on_gpu = pool.device == "cuda" or (pool.device == "auto" and _gpus() > 0)
         if on_gpu:  # one worker per GPU
             limit, what, workers = _gpu_memory(), "one GPU's memory", 1

@@ -30,6 +30,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="seconds a new worker may take to be placed by Ray and load its model")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_WORKER_DRAIN_TIMEOUT_S, metavar="S",
                         help="seconds a removed worker's streams get to finish before they fail over")
+    parser.add_argument("--wait-for-nodes", action="store_true",
+                        help="start the new workers even when no node has room for them now (an "
+                        "autoscaler is adding nodes) and wait up to --timeout; without it such a "
+                        "scale is refused before anything starts")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"), metavar="ADDR",
                         help="the Ray cluster (auto: the one on this machine; HOST:6379; "
                         "default: $RAY_ADDRESS or auto)")
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         membership = get_membership()
         if args.workers is not None:
-            call = membership.scale.remote(args.pool, args.workers, args.timeout, args.drain_timeout)
+            call = membership.scale.remote(
+                args.pool, args.workers, args.timeout, args.drain_timeout, args.wait_for_nodes
+            )
         else:
             call = membership.remove.remote(args.remove, args.drain_timeout)
         result = ray.get(call)

@@ -10,10 +10,13 @@ import socket
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagefleet.commands import preflight
 from pagefleet.worker.model_files import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from pagefleet.cluster.config import ClusterConfig
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,7 +83,7 @@ def load_config(args: argparse.Namespace) -> Any:
     return config
 
 
-def print_resolved(config: Any) -> None:
+def print_resolved(config: ClusterConfig) -> None:
     """`--check`: the config as YAML, every default filled in (API keys hidden)."""
     import yaml
 
@@ -102,7 +105,7 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another {flag}") from exc
 
 
-def prepare_models(config: Any) -> None:
+def prepare_models(config: ClusterConfig) -> None:
     """Resolve every pool's model here first: a bad model is one line before any worker
     starts, and a GGUF is converted once, before the workers look for it in the cache."""
     from pagefleet.cli import CommandError
@@ -115,7 +118,7 @@ def prepare_models(config: Any) -> None:
             raise CommandError(f"pool {pool.name}: {exc}") from exc
 
 
-def check_ports(config: Any, grpc_port: int, metrics_port: int) -> None:
+def check_ports(config: ClusterConfig, grpc_port: int, metrics_port: int) -> None:
     """Every port the local ingress binds (gRPC, HTTP, each replica's metrics port), before
     Ray starts: a busy or doubly used port is one line, not a failed deployment later."""
     server = config.server
@@ -229,7 +232,7 @@ def stop_now(signum: int) -> None:
     os._exit(128 + signum)
 
 
-def print_endpoints(config: Any, cluster: Any) -> None:
+def print_endpoints(config: ClusterConfig, cluster: Any) -> None:
     """The endpoints a client dials, once everything answers."""
     import ray
 

@@ -251,6 +251,7 @@ def start_scheduler(
     stall_timeout_s: float = 3.0,
     index_check_interval_s: float = 10.0,
     migration: MigrationPolicy | None = DEFAULT_MIGRATION,
+    resources: dict[str, float] | None = None,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 
@@ -264,7 +265,8 @@ def start_scheduler(
     snapshot to measure index drift. `shard`: which scheduler shard (its actor
     name, `shard_actor_name`). `migration`: when a worker short of blocks hands
     a request to another worker of its pool (None: never). An existing actor
-    keeps the settings it was started with.
+    keeps the settings it was started with. `resources`: custom Ray resources it
+    asks for (the cluster pins it to the head node with Ray's head-node marker).
     """
     options: dict[str, Any] = {
         "name": shard_actor_name(shard),
@@ -273,6 +275,8 @@ def start_scheduler(
         "max_task_retries": -1 if max_restarts != 0 else 0,
         "num_cpus": 0,
     }
+    if resources:
+        options["resources"] = resources
     if namespace is not None:
         options["namespace"] = namespace
     if detached:

@@ -88,6 +88,7 @@ class WorkerActor:
         self.pool = pool
         # A new id per (re)start: the ingress notices a restart by it changing.
         self.incarnation = uuid.uuid4().hex
+        engine_config = dataclasses.replace(engine_config, device=resolve_device(engine_config.device))
         self._engine = AsyncEngine(engine_config, on_fatal=_exit_for_restart)
         self._block_size = engine_config.block_size
         self._report_interval_s = report_interval_s
@@ -258,6 +259,7 @@ class WorkerActor:
             "pool": self.pool,
             "incarnation": self.incarnation,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "block_size": self._block_size,
             "total_blocks": int(stats.get("total", stats.get("total_blocks", 0))),
@@ -351,6 +353,7 @@ class WorkerActor:
                                 total_blocks=info["total_blocks"],
                                 block_size=self._block_size,
                                 node_id=info["node_id"],
+                                node_ip=info["node_ip"],
                             )
                         )
                         snapshot = True
@@ -417,6 +420,18 @@ def _exit_for_restart(exc: BaseException) -> None:
     os._exit(1)
 
 
+def resolve_device(device: str) -> str:
+    """The device a worker computes on: `auto` is cuda when Ray assigned this process a
+    GPU and torch can use it, else cpu; cpu and cuda stay what they say (a cpu worker
+    holding Ray GPUs computes on CPU). On cuda, Ray's CUDA_VISIBLE_DEVICES makes the
+    GPU it assigned the worker's cuda:0."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+
+
 def _find_scheduler(name: str, namespace: str | None) -> Any:
     """The scheduler's (or its pool's shard's) handle, or None while there is none."""
     try:
@@ -438,6 +453,7 @@ def create_worker(
     scheduler_name: str = SCHEDULER_ACTOR_NAME,
     torch_threads: int | None = None,
     scheduling_strategy: Any = None,
+    label_selector: dict[str, str] | None = None,
 ) -> Any:
     """Start a `WorkerActor` as a restartable Ray actor and return its handle.
 
@@ -445,7 +461,8 @@ def create_worker(
     incarnation) and it rejoins routing. `max_task_retries=0`: a stream cut by
     a failure is resumed by the ingress on another worker, never replayed by
     Ray on the same one. `scheduler_name`: the named scheduler actor (the
-    shard owning `pool`) the worker pushes to.
+    shard owning `pool`) the worker pushes to. `label_selector`: only nodes with
+    these Ray labels take it.
     """
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
@@ -459,6 +476,8 @@ def create_worker(
         options["namespace"] = namespace
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
+    if label_selector:
+        options["label_selector"] = label_selector
     cls = ray.remote(WorkerActor).options(**options)
     return cls.remote(
         worker_id,

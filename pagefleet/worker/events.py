@@ -511,6 +511,7 @@ class WorkerInfo:
     total_blocks: int
     block_size: int = 16
     node_id: str | None = None
+    node_ip: str | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:

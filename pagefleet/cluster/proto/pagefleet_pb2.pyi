@@ -204,6 +204,7 @@ class WorkerStatus(_message.Message):
         "live_blocks",
         "migrations_out",
         "node_id",
+        "node_ip",
         "num_running",
         "num_waiting",
         "peak_live_blocks",
@@ -231,6 +232,7 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -248,6 +250,7 @@ class WorkerStatus(_message.Message):
     node_id: str
     migrations_out: int
     draining: bool
+    node_ip: str
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -267,6 +270,7 @@ class WorkerStatus(_message.Message):
         node_id: str | None = ...,
         migrations_out: int | None = ...,
         draining: bool | None = ...,
+        node_ip: str | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
@@ -283,6 +287,8 @@ class PoolStatus(_message.Message):
         "num_waiting",
         "peak_live_blocks",
         "router_policy",
+        "scale_reason",
+        "target_workers",
         "total_blocks",
         "workers",
     )
@@ -300,6 +306,8 @@ class PoolStatus(_message.Message):
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     router_policy: str
@@ -314,6 +322,8 @@ class PoolStatus(_message.Message):
     live_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     migrations: int
+    target_workers: int
+    scale_reason: str
     def __init__(
         self,
         name: str | None = ...,
@@ -330,6 +340,8 @@ class PoolStatus(_message.Message):
         live_workers: int | None = ...,
         workers: _Iterable[WorkerStatus | _Mapping] | None = ...,
         migrations: int | None = ...,
+        target_workers: int | None = ...,
+        scale_reason: str | None = ...,
     ) -> None: ...
 
 class StatusResponse(_message.Message):

@@ -1,0 +1,219 @@
+"""A real multi-node Ray cluster on this machine: one `ray start` raylet per node.
+
+`RayNodes` starts a head (`ray start --head --port P`) and adds nodes
+(`ray start --address 127.0.0.1:P --node-manager-port Q`), each with its own
+CPUs, GPUs (advertised: the machine needs none), custom resources and labels.
+Killing a node is a SIGKILL of its raylet, found by its node-manager port,
+and of every process it started: the node's processes all end at once, as
+when a machine goes away.
+
+Everything runs under a private `--temp-dir`, so `stop()` ends exactly the
+processes this cluster started, by pid (never `ray stop`, which ends every Ray
+on the host), and Ray's address file, which a later bare `ray.init()` would
+join, is put back as it was. Token auth is off for the cluster and for the
+test process that joins it (`RAY_AUTH_MODE=disabled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+# Ray's address file: `ray start` writes it, a bare `ray.init()` joins what it names.
+ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+# Node loss is noticed within about period x threshold (Ray's defaults: 3 s x 5).
+HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Node:
+    """One raylet of the cluster."""
+
+    node_manager_port: int
+    labels: dict[str, str] = field(default_factory=dict)
+    node_id: str = ""
+
+    def raylet_pid(self) -> int | None:
+        """The pid of this node's raylet, None once it is gone."""
+        flag = f"--node_manager_port={self.node_manager_port}"
+        for pid, argv in _processes():
+            if argv and argv[0].endswith("/raylet") and flag in argv:
+                return pid
+        return None
+
+
+class RayNodes:
+    """A head and any number of nodes, all on 127.0.0.1; see the module docstring."""
+
+    def __init__(self) -> None:
+        # Short: Ray's socket paths live under it and must stay below 108 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="pfray", dir="/tmp")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECK}
+        self.head: Node | None = None
+        self.nodes: list[Node] = []
+        self._address_file = ADDRESS_FILE.read_text() if ADDRESS_FILE.exists() else None
+
+    def start_head(self, *, num_cpus: float = 2, num_gpus: int = 0) -> Node:
+        """The head node: it runs what asks for Ray's head-node resource (scheduler, ingress)."""
+        node = Node(free_port())
+        for attempt in (1, 2):
+            args = (
+                "--head", f"--port={self.port}", f"--num-cpus={num_cpus:g}", f"--num-gpus={num_gpus}",
+                "--include-dashboard=false", f"--node-manager-port={node.node_manager_port}",
+            )  # fmt: skip
+            if self._ray_start(*args, last=attempt == 2):
+                break
+            # The first try's GCS lives on and holds its session: start over, elsewhere.
+            self._kill_mine()
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+        self.head = node
+        return node
+
+    def add_node(
+        self,
+        *,
+        num_cpus: float = 1,
+        num_gpus: int = 0,
+        labels: dict[str, str] | None = None,
+        resources: dict[str, float] | None = None,
+    ) -> Node:
+        """Start one more raylet and return once the cluster counts it alive."""
+        node = Node(free_port(), dict(labels or {}))
+        args = [
+            f"--address={self.address}", f"--num-cpus={num_cpus:g}", f"--num-gpus={num_gpus}",
+            f"--node-manager-port={node.node_manager_port}",
+        ]  # fmt: skip
+        if node.labels:
+            args.append("--labels=" + ",".join(f"{k}={v}" for k, v in node.labels.items()))
+        if resources:
+            args.append("--resources=" + json.dumps(resources))
+        if not self._ray_start(*args):
+            self._ray_start(*args, last=True)  # the timed-out raylet was ended: a fresh one
+        self.nodes.append(node)
+        if ray.is_initialized():
+            self.wait_alive(node)
+        return node
+
+    def wait_alive(self, node: Node, timeout_s: float = 180.0) -> str:
+        """The node's id, once the cluster lists it alive (needs `ray.init` done)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for info in ray.nodes():
+                if info["Alive"] and info["NodeManagerPort"] == node.node_manager_port:
+                    node.node_id = str(info["NodeID"])
+                    return node.node_id
+            time.sleep(0.2)
+        raise AssertionError(f"node with node-manager port {node.node_manager_port} did not join")
+
+    def kill(self, node: Node) -> None:
+        """Node loss: SIGKILL its raylet and every process it started (its workers and
+        agents), at once, as when the machine goes away. (A worker process outlives a
+        killed raylet for a while and could finish its streams meanwhile.)"""
+        pid = node.raylet_pid()
+        assert pid is not None, f"no raylet with node-manager port {node.node_manager_port}"
+        for victim in [pid, *_descendants(pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        self.nodes.remove(node)
+
+    def init(self, namespace: str) -> None:
+        """Join the cluster from this process (without a token, as the cluster runs)."""
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        ray.init(address=self.address, namespace=namespace, log_to_driver=False)
+        for node in [*([self.head] if self.head else []), *self.nodes]:
+            self.wait_alive(node)
+
+    def stop(self) -> None:
+        """End every process of this cluster by pid; put Ray's address file back."""
+        if ray.is_initialized():
+            ray.shutdown()
+        os.environ.pop("RAY_AUTH_MODE", None)
+        self._kill_mine()
+        with contextlib.suppress(FileNotFoundError):
+            # It names the head by its node IP: ours if it ends with our port.
+            if ADDRESS_FILE.read_text().strip().endswith(f":{self.port}"):
+                if self._address_file is None:
+                    ADDRESS_FILE.unlink()
+                else:
+                    ADDRESS_FILE.write_text(self._address_file)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _kill_mine(self) -> None:
+        """SIGKILL every process running under this cluster's temp dir."""
+        for pid, argv in list(_processes()):
+            if any(self.temp_dir in a for a in argv):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _ray_start(self, *args: str, last: bool = False) -> bool:
+        """Run `ray start`; False when its raylet did not register in time and this is not
+        the `last` try. `ray start` gives a raylet 30 s (fixed), which a loaded machine
+        can miss."""
+        command = ["ray", "start", f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *args]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=180)
+        if done.returncode == 0:
+            return True
+        if not last and "timed out during startup" in done.stderr:
+            return False
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+
+
+@contextlib.contextmanager
+def ray_nodes() -> Iterator[RayNodes]:
+    """A `RayNodes` that is stopped however the block ends."""
+    nodes = RayNodes()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        yield int(entry.name), [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # pid (comm) state ppid ...: comm may hold spaces, so split after it.
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
