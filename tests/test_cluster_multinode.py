@@ -63,7 +63,7 @@ def fleet_config() -> ClusterConfig:
     acme = default.replace(name="acme", workers=1, node_labels={"pool": "acme"}, min_workers=None,
                                max_workers=None)  # fmt: skip
     scheduler = base.scheduler.replace(
-        autoscale_free_fraction=0.3, autoscale_out_after_s=3.0, autoscale_in_after_s=5.0,
+        autoscale_free_fraction=0.3, autoscale_out_after_s=1.0, autoscale_in_after_s=5.0,
         autoscale_cooldown_s=2.0,
     )  # fmt: skip
     return base.replace(pools=(default, acme), scheduler=scheduler)
