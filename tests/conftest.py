@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Every Ray the tests start or join runs without token auth: a process that joined one
+# cluster without a token keeps that mode in Ray's config, and a local Ray it starts
+# later (with a token, Ray's default) would refuse it (InvalidAuthToken).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
