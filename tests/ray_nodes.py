@@ -72,6 +72,7 @@ class RayNodes:
         self.head: Node | None = None
         self.nodes: list[Node] = []
         self._address_file = ADDRESS_FILE.read_text() if ADDRESS_FILE.exists() else None
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
 
     def start_head(self, *, num_cpus: float = 2, num_gpus: int = 0) -> Node:
         """The head node: it runs what asks for Ray's head-node resource (scheduler, ingress)."""
@@ -139,6 +140,7 @@ class RayNodes:
 
     def init(self, namespace: str) -> None:
         """Join the cluster from this process (without a token, as the cluster runs)."""
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"
         ray.init(address=self.address, namespace=namespace, log_to_driver=False)
         for node in [*([self.head] if self.head else []), *self.nodes]:
@@ -148,7 +150,12 @@ class RayNodes:
         """End every process of this cluster by pid; put Ray's address file back."""
         if ray.is_initialized():
             ray.shutdown()
-        os.environ.pop("RAY_AUTH_MODE", None)
+        # Put the test process's auth mode back as it was (the suite's conftest sets it
+        # for every module; dropping it would leave later local Rays on token auth).
+        if self._auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._auth_mode
         self._kill_mine()
         with contextlib.suppress(FileNotFoundError):
             # It names the head by its node IP: ours if it ends with our port.

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.cluster.config import ClusterConfig, ConfigError
-from pagefleet.scheduler.autoscale import AutoscalePolicy, PoolAutoscaler, PoolLoad, ScaleDecision
+from pagefleet.scheduler.autoscale import (
+    AutoscalePolicy,
+    PoolAutoscaler,
+    PoolLoad,
+    ScaleDecision,
+    pool_load,
+)
+from pagefleet.scheduler.state import ClusterState
+from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 POLICY = AutoscalePolicy(min_workers=1, max_workers=3, free_fraction=0.1, out_after_s=5, in_after_s=20, cooldown_s=10)
 
@@ -43,6 +51,43 @@ def test_few_free_blocks_without_waiting_requests_is_no_reason_to_grow() -> None
     scaler = PoolAutoscaler(POLICY, 1)
     full_but_keeping_up = PoolLoad(workers=1, free_blocks=1, total_blocks=100, running=4, waiting=0)
     assert all(scaler.observe(t, full_but_keeping_up) is None for t in (0.0, 10.0, 100.0))
+
+
+def test_requests_held_back_at_the_ingress_count_as_waiting() -> None:
+    # Admission keeps requests at the ingress while the workers' blocks are claimed:
+    # the workers report nobody waiting, and the pool is still short.
+    scaler = PoolAutoscaler(POLICY, 1)
+    held_back = PoolLoad(workers=1, free_blocks=5, total_blocks=100, running=2, waiting=0, queued=4)
+    assert scaler.observe(0.0, held_back) is None
+    assert scaler.observe(5.0, held_back) == ScaleDecision(2, "scale out: 5% blocks free (< 10%) and 4 waiting for 5s")
+    quiet_workers = PoolLoad(workers=2, free_blocks=200, total_blocks=200, running=0, waiting=0, queued=1)
+    assert not quiet_workers.idle  # a queued request is not idleness
+
+
+class _Clock:
+    now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_pool_load_counts_claimed_blocks_as_taken_and_live_replicas_queues() -> None:
+    clock = _Clock()
+    state = ClusterState(report_timeout_s=3.0, clock=clock)
+    state.register_worker(WorkerInfo("w0", "chat", 100))
+    # 60 allocatable, of which the running requests will still take 45 to reach max_tokens.
+    report = LoadReport("w0", "chat", 1, 0.0, 100, 50, 40, 10, 40, num_running=2, committed_blocks=45)
+    state.push(report, KVEventBatch("w0", 1))
+    state.note_replica("ingress-a", queued={"chat": 3})
+    state.note_replica("ingress-b", queued={"chat": 2, "batch": 1})
+    load = pool_load(state.view(), "chat")
+    assert (load.workers, load.free_blocks, load.total_blocks, load.running, load.waiting, load.queued) == (
+        1, 15, 100, 2, 0, 5,
+    )  # fmt: skip
+    clock.now += 2.0
+    state.note_replica("ingress-a", queued={"chat": 1})
+    clock.now += 2.0  # ingress-b has not subscribed for 4 s (> 3 s): its queue is gone
+    assert pool_load(state.view(), "chat").queued == 1
 
 
 def test_no_second_move_before_the_pool_reached_its_target_nor_within_the_cooldown() -> None:

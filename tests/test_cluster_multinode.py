@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -242,6 +243,9 @@ def test_a_scale_that_cannot_reach_its_target_removes_the_workers_it_added(fleet
 
 
 LOAD_TOKENS = 100
+# Two streams fill a worker's claims (2 x 39 of 96 blocks): with two workers, four run
+# and the fifth client waits in the ingress queue (its bound, 2, never reached).
+LOAD_CLIENTS = 5
 
 
 def _long_stream(target: str, i: int) -> list[pb.GenerateResponse]:
@@ -253,6 +257,15 @@ def _long_stream(target: str, i: int) -> list[pb.GenerateResponse]:
         return list(s.Generate(req, timeout=600))
 
 
+def _streams_until(stop: threading.Event, target: str, client: int) -> list[list[pb.GenerateResponse]]:
+    """One client's long streams, one after another, until `stop` (at least one): load
+    that lasts as long as the test needs, however fast the machine runs the model."""
+    done = [_long_stream(target, client)]
+    while not stop.is_set():
+        done.append(_long_stream(target, client + LOAD_CLIENTS * len(done)))
+    return done
+
+
 def _autoscale(fleet: Fleet) -> dict[str, Any]:
     return dict(ray.get(fleet.running.membership.autoscale_status.remote(), timeout=30)["default"])
 
@@ -261,16 +274,20 @@ def test_load_grows_the_pool_onto_a_spare_node_and_idleness_shrinks_it_back(flee
     target, spare = fleet.target, fleet.spare
     assert spare is not None, "the scale test before adds the spare node"
     assert _autoscale(fleet) == {"target": 2, "workers": 2, "reason": "configured size"}
-    with concurrent.futures.ThreadPoolExecutor(8) as clients:
-        streams = [clients.submit(_long_stream, target, i) for i in range(8)]
-        wait_for(lambda: _autoscale(fleet)["target"] == 3, 120, "the pool's target grows to 3", 0.5)
-        assert _autoscale(fleet)["reason"].startswith("scale out: ")
-        wait_for(lambda: pool_status(target).target_workers == 3, 30, "GetStatus: target 3", 0.5)
-        assert pool_status(target).scale_reason.startswith("scale out: ")
-        wait_for(lambda: pool_status(target).live_workers == 3, 240, "the third worker serving", 0.5)
-        grown = _nodes_of(target, "default")
-        assert spare.node_id in grown.values()
-        results = [f.result(timeout=600) for f in streams]
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as clients:
+        streams = [clients.submit(_streams_until, stop, target, i) for i in range(LOAD_CLIENTS)]
+        try:
+            wait_for(lambda: _autoscale(fleet)["target"] == 3, 120, "the pool's target grows to 3", 0.5)
+            assert _autoscale(fleet)["reason"].startswith("scale out: ")
+            wait_for(lambda: pool_status(target).target_workers == 3, 30, "GetStatus: target 3", 0.5)
+            assert pool_status(target).scale_reason.startswith("scale out: ")
+            wait_for(lambda: pool_status(target).live_workers == 3, 240, "the third worker serving", 0.5)
+            grown = _nodes_of(target, "default")
+            assert spare.node_id in grown.values()
+        finally:
+            stop.set()
+        results = [got for f in streams for got in f.result(timeout=600)]
     for got in results:  # no stream lost
         assert got[-1].finish_reason == "length" and len(tokens_of(got)) == LOAD_TOKENS
     wait_for(lambda: _autoscale(fleet)["target"] == 2, 120, "the idle pool's target back to 2", 0.5)

@@ -13,6 +13,11 @@ does not know yet keep their last state here, so routing goes on while the
 scheduler rebuilds. While the scheduler is unreachable the replica keeps the
 last view and retries.
 
+Each subscribe also tells the scheduler how many requests wait in this
+replica's queues, per pool (`queued`): requests held back at the ingress
+for want of room are load the workers' own reports do not show, and the
+pool autoscaler counts them.
+
 The view also carries `AbortNote`s: an abort that reached another replica
 and found its request nowhere else. The replica holding that request
 waiting cancels it and says so with its next subscribe.
@@ -62,15 +67,18 @@ class FleetView:
         *,
         shards: int = 1,
         on_abort: Callable[[str], bool] | None = None,
+        queued: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """`on_abort(key)`: cancel the request `key` if this replica holds it (an
-        `AbortNote` of another replica); returns whether it did."""
+        `AbortNote` of another replica); returns whether it did. `queued()`: the
+        requests waiting in this replica's queues, per pool, told with each subscribe."""
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.router = router
         self.replica_id = replica_id
         self._on_delta = on_delta
         self._on_abort = on_abort
+        self._queued = queued
         self._cursors: list[_Cursor] = [_Cursor() for _ in range(shards)]
         self.snapshots = 0
 
@@ -139,9 +147,10 @@ class FleetView:
         cursor = self._cursors[shard]
         while True:
             found, cursor.found = tuple(cursor.found), []
+            queued = tuple(sorted(self._queued().items())) if self._queued is not None else ()
             try:
                 update = await scheduler.subscribe.remote(
-                    cursor.generation, cursor.version, LONG_POLL_S, self.replica_id, found
+                    cursor.generation, cursor.version, LONG_POLL_S, self.replica_id, found, queued
                 )
             except asyncio.CancelledError:
                 raise

@@ -113,18 +113,21 @@ class Ingress:
         )
         self.admission = Admission(config, self.router, self.slots, self.replica_id, metrics)
         self.fleet = FleetView(
-            self.router, self.slots.apply, self.replica_id, on_abort=self._abort_here
+            self.router, self.slots.apply, self.replica_id, on_abort=self._abort_here,
+            queued=self._queued,
         )
         self._prompts = Prompts()
         self._running: dict[str, RequestRun] = {}
         if metrics is not None:
-            metrics.track_wait_queue(
-                lambda: {pool.name: self.admission.waiting(pool.name) for pool in config.pools}
-            )
+            metrics.track_wait_queue(self._queued)
             metrics.name_tenants({t.cache_salt(): t.name for t in config.tenants})
             metrics.track_view(self.fleet.staleness_s)
             metrics.track_preemption_rate(self.slots.preemptions_per_minute)
         self._follower: asyncio.Task[None] | None = None
+
+    def _queued(self) -> dict[str, int]:
+        """Requests waiting in this replica's queue, per pool."""
+        return {pool.name: self.admission.waiting(pool.name) for pool in self.config.pools}
 
     @property
     def policy(self) -> str:

@@ -136,7 +136,7 @@ class SchedulerActor:
 
     async def subscribe(
         self, generation: int | None, cursor: int, timeout_s: float = 5.0, replica_id: str = "",
-        found: tuple[int, ...] = (),
+        found: tuple[int, ...] = (), queued: tuple[tuple[str, int], ...] = (),
     ) -> ViewUpdate:  # fmt: skip
         """Deltas after `cursor` (a snapshot when the subscriber cannot continue from it).
 
@@ -144,8 +144,9 @@ class SchedulerActor:
         `replica_id` names the subscribing ingress replica: one that stops
         subscribing is dead, and workers abort the requests it sent. `found`:
         the abort notes whose request it found and cancelled (`relay_abort`).
+        `queued`: (pool, requests waiting in its queue) pairs, for the autoscaler.
         """
-        self._state.note_replica(replica_id, generation, cursor, found)
+        self._state.note_replica(replica_id, generation, cursor, found, dict(queued))
         if self._state.aborts_pending:
             self._acked.set()
             self._acked = asyncio.Event()

@@ -1,10 +1,11 @@
 """When a pool grows or shrinks on load: a pure policy, fed one observation at a time.
 
 A pool between `min_workers` and `max_workers` grows by one worker when its
-KV pool runs short while requests wait (free blocks below `free_fraction` of
-the pool's blocks and at least one request waiting), sustained for
+KV pool runs short while requests wait (the blocks a new request could still
+claim below `free_fraction` of the pool's blocks, and at least one request
+waiting, in a worker's queue or in an ingress replica's), sustained for
 `out_after_s`; it shrinks by one when it has been idle (nothing running or
-waiting) for `in_after_s`. After any move it holds still for `cooldown_s`,
+waiting anywhere) for `in_after_s`. After any move it holds still for `cooldown_s`,
 and it does not move again before the pool has reached its last target
 (workers still loading, or draining, count as not there yet). The caller
 executes a move (`Membership.scale`) and asks Ray's autoscaler for the
@@ -48,35 +49,47 @@ class AutoscalePolicy:
 
 @dataclass(frozen=True)
 class PoolLoad:
-    """One observation of a pool: its serving workers and their summed counters
-    (`free_blocks`: blocks a new request could get, free plus evictable cached)."""
+    """One observation of a pool: its serving workers and their summed counters.
+
+    `free_blocks`: blocks a new request could still claim (free plus evictable
+    cached, less what the requests there will still take to reach their
+    max_tokens). `waiting`: requests in the workers' queues; `queued`: those
+    the ingress replicas hold back for want of room (admission).
+    """
 
     workers: int
     free_blocks: int
     total_blocks: int
     running: int
     waiting: int
+    queued: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for a worker's blocks, at the workers or at the ingress."""
+        return self.waiting + self.queued
 
     @property
     def short_of_blocks(self) -> bool:
-        return self.waiting > 0 and self.total_blocks > 0
+        return self.pending > 0 and self.total_blocks > 0
 
     @property
     def idle(self) -> bool:
-        return self.running == 0 and self.waiting == 0
+        return self.running == 0 and self.pending == 0
 
 
 def pool_load(view: ClusterView, pool: str) -> PoolLoad:
     """A pool's load from the scheduler's view: its alive workers that are not draining,
-    their allocatable blocks (free plus evictable cached) and requests."""
+    the blocks still unclaimed there, their requests, and the ingress queues'."""
     serving = [w for w in view.alive(pool) if not w.draining and w.report is not None]
     reports = [w.report for w in serving if w.report is not None]
     return PoolLoad(
         workers=len(serving),
-        free_blocks=sum(r.num_allocatable for r in reports),
+        free_blocks=sum(max(0, r.num_allocatable - r.committed_blocks) for r in reports),
         total_blocks=sum(r.total_blocks for r in reports),
         running=sum(r.num_running for r in reports),
         waiting=sum(r.num_waiting for r in reports),
+        queued=view.queued.get(pool, 0),
     )
 
 
@@ -116,7 +129,7 @@ class PoolAutoscaler:
             return self._move(
                 now, self.target + 1,
                 f"scale out: {100 * free:.0f}% blocks free (< {100 * p.free_fraction:.0f}%) and "
-                f"{load.waiting} waiting for {pressed_for:.0f}s",
+                f"{load.pending} waiting for {pressed_for:.0f}s",
             )  # fmt: skip
         if idle_for is not None and idle_for >= p.in_after_s and self.target > p.min_workers:
             return self._move(now, self.target - 1, f"scale in: idle for {idle_for:.0f}s")

@@ -33,8 +33,8 @@ import secrets
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pagefleet.scheduler.policy import (
     EvictionWatermarks,
@@ -85,6 +85,8 @@ class ClusterView:
     generation: int
     version: int
     workers: tuple[WorkerView, ...]
+    # Per pool: requests waiting in the live ingress replicas' queues (not yet at a worker).
+    queued: Mapping[str, int] = field(default_factory=dict)
 
     def pool(self, name: str) -> list[WorkerView]:
         """Workers of a pool, live or not."""
@@ -253,6 +255,7 @@ class ClusterState:
         self.route_notes = 0  # routing decisions relayed between ingress replicas
         self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
         self._replica_cursors: dict[str, tuple[int | None, int]] = {}  # id -> its last cursor
+        self._replica_queued: dict[str, dict[str, int]] = {}  # id -> pool -> requests it queues
         # Abort notes not settled yet: note id -> (its version, found by some replica).
         self._aborts: dict[int, tuple[int, bool]] = {}
         self._next_note = 0
@@ -618,19 +621,26 @@ class ClusterState:
             )
             for e in self._workers.values()
         )
-        return ClusterView(self.generation, self._version, workers)
+        queued: dict[str, int] = {}
+        for rid, seen in self._replicas.items():
+            if now - seen <= self.report_timeout_s:  # a dead replica's queue died with it
+                for pool, n in self._replica_queued.get(rid, {}).items():
+                    queued[pool] = queued.get(pool, 0) + n
+        return ClusterView(self.generation, self._version, workers, queued)
 
     # ----- ingress replicas -----------------------------------------------
 
     def note_replica(
         self, replica_id: str, generation: int | None = None, cursor: int = 0,
-        found: tuple[int, ...] = (),
+        found: tuple[int, ...] = (), queued: Mapping[str, int] | None = None,
     ) -> None:  # fmt: skip
         """An ingress replica subscribed from `cursor` (it has applied everything up to
-        it): it is alive. `found`: abort notes it found its request for."""
+        it): it is alive. `found`: abort notes it found its request for. `queued`:
+        requests waiting in its queue, per pool."""
         if replica_id:
             self._replicas[replica_id] = self._clock()
             self._replica_cursors[replica_id] = (generation, cursor)
+            self._replica_queued[replica_id] = {p: n for p, n in (queued or {}).items() if n > 0}
         for note_id in found:
             if note_id in self._aborts:
                 self._aborts[note_id] = (self._aborts[note_id][0], True)
@@ -677,6 +687,7 @@ class ClusterState:
         for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
             del self._replicas[rid]
             self._replica_cursors.pop(rid, None)
+            self._replica_queued.pop(rid, None)
         return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
 
     def note_routed(self, replica_id: str, worker_id: str, hashes: tuple[bytes, ...]) -> bool:
