@@ -84,6 +84,8 @@ def test_the_pool_load_counts_claimed_blocks_as_taken_and_live_replicas_queues()
     assert (load.workers, load.free_blocks, load.total_blocks, load.running, load.waiting, load.queued) == (
         1, 15, 100, 2, 0, 5,
     )  # fmt: skip
+    # Admission by prompt does not hold blocks for max_tokens: only the allocatable count.
+    assert pool_load(state.view(), "chat", "prompt").free_blocks == 60
     clock.now += 2.0
     state.note_replica("ingress-a", queued={"chat": 1})
     clock.now += 2.0  # ingress-b has not subscribed for 4 s (> 3 s): its queue is gone

@@ -22,6 +22,7 @@ from cluster_fixtures import (
     pool_status,
     small_cluster_config,
     tokens_of,
+    wait_for,
     wait_until_no_block_leaked,
 )
 from fake_autoscaler import (
@@ -67,7 +68,9 @@ def test_a_gpu_request_launches_a_node_of_the_gpu_type(
     fake_autoscaling_cluster: FakeAutoscalingCluster, gpu_node: dict[str, Any]
 ) -> None:
     assert {k: gpu_node["Resources"][k] for k in GPU_NODE_RESOURCES} == GPU_NODE_RESOURCES
-    assert f"Launching 1 nodes, type {GPU_NODE_TYPE}." in fake_autoscaling_cluster.monitor_log()
+    # The monitor writes its log lines as it goes: the node may be up before the line is.
+    launched = f"Launching 1 nodes, type {GPU_NODE_TYPE}."
+    wait_for(lambda: launched in fake_autoscaling_cluster.monitor_log(), 30, "the monitor's launch line", 0.5)
 
 
 def test_a_pagefleet_worker_runs_on_the_launched_node_and_serves(

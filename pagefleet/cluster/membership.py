@@ -328,7 +328,8 @@ class Membership:
             shard = self._shards[pool]
             if shard not in views:
                 views[shard] = await self._schedulers[shard].get_view.remote()
-            decision = scaler.observe(time.monotonic(), pool_load(views[shard], pool))
+            load = pool_load(views[shard], pool, self._config.scheduler.admission)
+            decision = scaler.observe(time.monotonic(), load)
             if decision is None:
                 continue
             logger.warning("pool %s: target %d workers (%s)", pool, decision.target, decision.reason)
@@ -369,9 +370,12 @@ class Membership:
         of the lost actor is cancelled, so exactly one replacement runs.
         """
         self._members[pool].remove(lost)
-        ray.kill(lost.handle, no_restart=True)
-        await self._await_dead(lost)
-        await self._scheduler_of(pool).deregister_worker.remote(lost.worker_id)
+        try:
+            ray.kill(lost.handle, no_restart=True)
+            await self._await_dead(lost)
+            await self._scheduler_of(pool).deregister_worker.remote(lost.worker_id)
+        except Exception as exc:  # the replacement comes all the same; the view times it out
+            logger.warning("pool %s: forgetting lost worker %s failed: %r", pool, lost.worker_id, exc)
         replacement = self._create(self._pool(pool))
         logger.warning(
             "pool %s: worker %s was lost with node %s; %s replaces it once Ray places it",

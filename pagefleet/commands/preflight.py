@@ -75,13 +75,14 @@ def device_problem(device: str) -> str | None:
 
 
 def check_generate(model: str, device: str) -> None:
-    """`pagefleet generate` offline: the model's files and the device, before loading."""
-    problem = model_problem(model)
-    if problem is not None:
-        raise CommandError(f"bad model: {problem}")
+    """`pagefleet generate` offline: the device, then the model's files, before loading
+    (the device first: resolving a packaged model may convert it, which takes a while)."""
     problem = device_problem(device)
     if problem is not None:
         raise CommandError(problem)
+    problem = model_problem(model)
+    if problem is not None:
+        raise CommandError(f"bad model: {problem}")
 
 
 def check_serve(config: ClusterConfig, *, local: bool, metrics_port: int | None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.scheduler.policy import AdmissionMode
 from pagefleet.scheduler.state import ClusterView
 
 
@@ -51,9 +52,9 @@ class AutoscalePolicy:
 class PoolLoad:
     """One observation of a pool: its serving workers and their summed counters.
 
-    `free_blocks`: blocks a new request could still claim (free plus evictable
-    cached, less what the requests there will still take to reach their
-    max_tokens). `waiting`: requests in the workers' queues; `queued`: those
+    `free_blocks`: blocks a new request could get (free plus evictable cached;
+    under full admission, less what the requests there will still take to
+    reach their max_tokens, since admission counts those taken). `waiting`: requests in the workers' queues; `queued`: those
     the ingress replicas hold back for want of room (admission).
     """
 
@@ -78,14 +79,18 @@ class PoolLoad:
         return self.running == 0 and self.pending == 0
 
 
-def pool_load(view: ClusterView, pool: str) -> PoolLoad:
+def pool_load(view: ClusterView, pool: str, admission: AdmissionMode = "full") -> PoolLoad:
     """A pool's load from the scheduler's view: its alive workers that are not draining,
-    the blocks still unclaimed there, their requests, and the ingress queues'."""
+    the blocks a new request could get there (by `scheduler.admission`'s measure),
+    their requests, and the ingress queues'."""
     serving = [w for w in view.alive(pool) if not w.draining and w.report is not None]
     reports = [w.report for w in serving if w.report is not None]
+    claimed = admission == "full"
     return PoolLoad(
         workers=len(serving),
-        free_blocks=sum(max(0, r.num_allocatable - r.committed_blocks) for r in reports),
+        free_blocks=sum(
+            max(0, r.num_allocatable - (r.committed_blocks if claimed else 0)) for r in reports
+        ),
         total_blocks=sum(r.total_blocks for r in reports),
         running=sum(r.num_running for r in reports),
         waiting=sum(r.num_waiting for r in reports),
