@@ -470,7 +470,7 @@ def test_check_prints_the_resolved_config_with_every_default_and_exits_0(tmp_pat
     assert pool["max_num_seqs"] == EngineConfig().max_num_seqs and pool["device"] == "auto"
     assert resolved["tenants"] == [
         {"name": "default", "pool": "chat", "salt": None, "api_key": None, "api_key_env": None,
-         "weight": 1.0, "max_live_blocks": None},
+         "weight": 1.0, "max_live_blocks": None, "adapters": None},
     ]  # fmt: skip
     assert resolved["scheduler"]["report_timeout_s"] == 3.0
     assert resolved["server"]["max_body_bytes"] == 4 * 2**20

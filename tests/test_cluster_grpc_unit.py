@@ -214,6 +214,7 @@ def test_get_status_carries_every_counter_of_the_typed_status() -> None:
         "p-0", "p", alive=True, node_id="n1", total_blocks=8, free_blocks=5, live_blocks=2,
         cached_blocks=1, peak_live_blocks=3, num_running=1, num_waiting=2, prefix_query_tokens=10,
         prefix_hit_tokens=4, hit_rate=0.4, requests_routed=7, migrations_out=1, draining=True,
+        resident_adapters=("alpha",),
     )  # fmt: skip
     pool = PoolStatus(
         "p", "tiny", "prefix_affinity", live_workers=1, hit_rate=0.4, migrations=1,
@@ -228,3 +229,4 @@ def test_get_status_carries_every_counter_of_the_typed_status() -> None:
     assert (w.worker_id, w.node_id, w.live_blocks, w.requests_routed, w.hit_rate, w.draining) == (
         "p-0", "n1", 2, 7, 0.4, True
     )
+    assert list(w.resident_adapters) == ["alpha"]

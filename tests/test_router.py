@@ -411,3 +411,30 @@ def test_another_replicas_decision_is_sticky_here_and_counts_as_load() -> None:
     # The note's uncached blocks count as pending load there, as the decision's own do.
     assert one.route("chat", prompt(SYSTEM_B), policy="least_loaded").worker_id == other
     one.note_routed_elsewhere("unknown", hashes)  # a worker this replica does not know: ignored
+
+
+def test_an_adapter_request_goes_where_the_adapter_is_resident_unless_a_prefix_outweighs_it() -> None:
+    router, ids = make_router(3, w_adapter_load=8.0)
+    for wid in ids:
+        resident = ("alpha",) if wid == "w1" else ()
+        router.apply_load_report(
+            LoadReport(wid, "chat", 1, 0.0, 1000, 1000, 0, 0, 0, resident_adapters=resident)
+        )
+    prompt = list(range(300, 300 + 2 * BS))
+    hashes = hash_token_blocks(prompt, BS, adapter_id="alpha:0")
+    assert router.route_hashes("chat", hashes, adapter="alpha").worker_id == "w1"
+    # A base-model request has no adapter to load: any worker (here the tie-break).
+    assert {router.route_hashes("chat", hashes).worker_id for _ in range(20)} == set(ids)
+    # Ten cached blocks of the prompt on w2 outweigh loading the adapter there (8 blocks).
+    long_prompt = list(range(900, 900 + 10 * BS))
+    long_hashes = hash_token_blocks(long_prompt, BS, adapter_id="alpha:0")
+    store(router, "w2", long_hashes)
+    assert router.route_hashes("chat", long_hashes, adapter="alpha").worker_id == "w2"
+
+
+def test_a_cold_adapter_follows_its_first_request_until_the_reports_show_it() -> None:
+    router, _ = make_router(3, w_adapter_load=8.0, speculative_ttl_s=2.0)
+    hashes = hash_token_blocks(list(range(50, 50 + BS)), BS, adapter_id="beta:0")
+    first = router.route_hashes("chat", hashes, adapter="beta").worker_id
+    other = hash_token_blocks(list(range(70, 70 + BS)), BS, adapter_id="beta:0")
+    assert all(router.route_hashes("chat", other, adapter="beta").worker_id == first for _ in range(5))

@@ -60,6 +60,7 @@ class Waiter:
     max_tokens: int
     n: int
     future: asyncio.Future[WorkerSlot | None]
+    adapter: str | None = None
 
 
 class Admission:
@@ -123,10 +124,10 @@ class Admission:
         live = sum(1 for slot in slots if slot.alive)
         if live == 0:
             raise IngressError(ErrorCode.UNAVAILABLE, f"no live worker in pool {pool.name!r}")
-        hashes = self.router.block_hashes(pool.name, prompt_ids, salt=req.salt)
+        hashes = self.router.block_hashes(pool.name, prompt_ids, salt=req.salt, adapter_id=req.adapter_id)
         waiter = Waiter(
             req.key, pool.name, prompt_ids, hashes, req.priority, req.params.max_tokens,
-            req.params.n, asyncio.get_running_loop().create_future(),
+            req.params.n, asyncio.get_running_loop().create_future(), req.adapter,
         )
         head = self._waiting.peek(pool.name)
         # FIFO: nobody may take free room ahead of a waiting request, but a request that
@@ -248,7 +249,9 @@ class Admission:
             return None
         others = [slot.worker_id for slot in self.slots.pool(pool.name) if slot not in fit]
         try:
-            decision = self.router.route_hashes(pool.name, waiter.hashes, policy=self.policy, exclude=others)
+            decision = self.router.route_hashes(
+                pool.name, waiter.hashes, policy=self.policy, exclude=others, adapter=waiter.adapter
+            )
         except NoWorkerAvailable:
             return None
         return self.slots[decision.worker_id]

@@ -86,6 +86,10 @@ class GenerationRequest:
     # The authenticated tenant's name: its fair share of the pool's wait queue,
     # and the scope of its request ids.
     tenant: str = ""
+    # The pool's LoRA adapter it runs with (None: the base model) and that adapter's
+    # `name:hash` identity, which its prefix hashes carry as the worker's do.
+    adapter: str | None = None
+    adapter_id: str | None = None
 
     @property
     def key(self) -> str:

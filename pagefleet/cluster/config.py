@@ -235,6 +235,8 @@ class RouterConfig(Section):
     speculative_ttl_s: Seconds = 2.0
     # Share of a prefill that a hit in a worker's offload tier saves (0: none, 1: a pool hit).
     offload_credit: Annotated[float, Field(ge=0, le=1)] = 0.5
+    # What loading a LoRA adapter into a worker's slot costs, in prefilled blocks.
+    w_adapter_load: Annotated[float, Field(ge=0)] = 8.0
     # Tell the other ingress replicas of every routing decision (see the router's docstring).
     share_routes: bool = True
 
@@ -334,7 +336,8 @@ class TenantConfig(Section):
     and of the dispatch order (weighted fair queueing). `max_live_blocks`
     optionally caps the live KV blocks the tenant may hold on each worker.
     `api_key_env` names the environment variable that holds the key (read
-    at load).
+    at load). `adapters` limits the tenant to these LoRA adapters of the pools
+    it may use (None: all of them); another adapter answers like an unknown one.
     """
 
     name: NonEmptyStr
@@ -344,6 +347,11 @@ class TenantConfig(Section):
     api_key_env: str | None = None
     weight: float = 1.0
     max_live_blocks: Annotated[int | None, Field(ge=1)] = None
+    adapters: Annotated[tuple[NonEmptyStr, ...] | None, Field(strict=False)] = None
+
+    def may_use_adapter(self, name: str) -> bool:
+        """Whether this tenant may select the LoRA adapter `name` (of a pool it may use)."""
+        return self.adapters is None or name in self.adapters
 
     @model_validator(mode="before")
     @classmethod
@@ -622,6 +630,14 @@ class ClusterConfig(Section):
                     f"pools[{i}].name", f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])"
                 )
             seen[pool.name] = i
+        adapters = {name for pool in self.pools for name in pool.engine.adapter_dirs}
+        for i, pool in enumerate(self.pools):
+            for name in pool.engine.adapter_dirs:
+                if name in seen:
+                    # A request's `model` names a pool or an adapter: never both.
+                    raise InvalidField(
+                        f"pools[{i}].lora_adapters", f"adapter {name!r} has the name of a pool"
+                    )
         names: set[str] = set()
         keys: set[str] = set()
         keyless: list[str] = []
@@ -633,6 +649,12 @@ class ClusterConfig(Section):
                 raise InvalidField(
                     f"tenants[{i}].pool", f"unknown pool {tenant.pool!r} (pools: {', '.join(seen)})"
                 )
+            for name in tenant.adapters or ():
+                if name not in adapters:
+                    known = ", ".join(sorted(adapters)) or "none"
+                    raise InvalidField(
+                        f"tenants[{i}].adapters", f"unknown LoRA adapter {name!r} (pools serve: {known})"
+                    )
             if tenant.api_key is None:
                 keyless.append(tenant.name)
             elif tenant.api_key in keys:

@@ -170,7 +170,8 @@ function render(state) {
         `hit rate ${pct(w.hit_rate)} of ${w.prefix_query_tokens} prompt tokens\\n` +
         `running ${w.num_running}, waiting ${w.num_waiting}, routed ${w.requests_routed}, ` +
         `migrated out ${w.migrations_out}\\n` +
-        `preemptions ${w.preemptions}, evictions ${w.evictions}`;
+        `preemptions ${w.preemptions}, evictions ${w.evictions}` +
+        (w.resident_adapters.length ? `\nadapters ${w.resident_adapters.join(", ")}` : "");
       row.append(stats);
       box.append(row);
       for (const t of Object.keys(w.tenant_live_blocks)) seen.add(t);

@@ -74,7 +74,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> Submission:
         logit_bias=dict(s.logit_bias),
     )
     return Submission(
-        target=Target(msg.pool),
+        target=Target(msg.pool, adapter=msg.adapter),
         prompt=msg.prompt if has_text else tuple(msg.prompt_token_ids),
         params=params,
         request_id=request_id_or_new(msg.request_id),

@@ -163,11 +163,14 @@ class Ingress:
         await self.routes.close()
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Load the tokenizers, then wait until the view shows every worker alive."""
+        """Load the tokenizers and the adapters' identities, then wait until the view shows
+        every worker alive."""
         for pool in self.config.pools:
             # Loading blocks the event loop for a moment: do it before serving, not
             # on the first request.
             self._prompts.tokenizer(pool)
+            for name in pool.engine.adapter_dirs:
+                self._prompts.adapter_id(pool, name)
         deadline = time.monotonic() + timeout_s
         while not all(slot.streaming for slot in self.slots.all()):
             if time.monotonic() > deadline:
@@ -187,19 +190,22 @@ class Ingress:
         request_id: str = "",
         priority: int = 0,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Stream one request of `tenant`: its pool (`Tenancy.pool_for`), its prompt tokenized
-        once here and checked against the pool's limits, then admitted and run. Raises
-        IngressError before or during the stream."""
-        pool = self.tenancy.pool_for(tenant, target)
+        """Stream one request of `tenant`: its pool and adapter (`Tenancy.resolve`), its prompt
+        tokenized once here and checked against the pool's limits, then admitted and run.
+        Raises IngressError before or during the stream."""
+        resolved = self.tenancy.resolve(tenant, target)
+        pool = resolved.pool
         request_id = request_id_or_new(request_id)
         key = scoped_request_id(tenant.name, request_id)
         if key in self._running or self.admission.is_waiting(key):
             raise AlreadyExists(f"request_id {request_id!r} is already running")
         prompt_ids = await self._prompts.token_ids(pool, prompt)
         check_length(pool, prompt_ids, params)
+        adapter_id = None if resolved.adapter is None else self._prompts.adapter_id(pool, resolved.adapter)
         req = GenerationRequest(
-            request_id, tuple(prompt_ids), params, priority, pool.name, tenant.cache_salt(), tenant.name
-        )
+            request_id, tuple(prompt_ids), params, priority, pool.name, tenant.cache_salt(), tenant.name,
+            resolved.adapter, adapter_id,
+        )  # fmt: skip
         run = RequestRun(
             req, pool, admission=self.admission, slots=self.slots, replica_id=self.replica_id,
             stall_timeout_s=self.config.scheduler.stall_timeout_s, running=self._running,
@@ -302,6 +308,12 @@ class Ingress:
             cfg = self.config.pool(name)
             scaling = self.pool_scaling.get(name, {})
             status = self.slots.pool_status(cfg, self.policy, self.admission.waiting(name))
+            if tenant is not None:  # another tenant's adapter names are not this one's business
+                usable = set(self.tenancy.adapters(tenant, name))
+                status = dataclasses.replace(status, workers=tuple(
+                    dataclasses.replace(w, resident_adapters=tuple(a for a in w.resident_adapters if a in usable))
+                    for w in status.workers
+                ))  # fmt: skip
             out.append(dataclasses.replace(
                 status,
                 target_workers=scaling.get("target", cfg.workers),

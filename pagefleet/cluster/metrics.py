@@ -47,6 +47,8 @@ _REPORT_COUNTERS = {
         "migrated requests whose KV blocks could not be fetched or imported (recomputed)",
         "kv_import_failures",
     ),
+    "lora_adapter_loads": ("LoRA adapters loaded into one of the worker's slots", "lora_loads"),
+    "lora_adapter_evictions": ("LoRA adapters evicted from the worker's slots", "lora_evictions"),
 }
 
 
@@ -200,6 +202,14 @@ class IngressMetrics:
             "(queue_share: the tenant's share of the wait queue; queue_full: the pool's queue)",
             ("pool", "tenant", "reason"), registry=self.registry,
         )
+        self.adapter_requests = Counter(
+            "lora_adapter_requests", "requests finished on a LoRA adapter", ("pool", "adapter"),
+            registry=self.registry,
+        )
+        self.adapter_tokens = Counter(
+            "lora_adapter_generated_tokens", "tokens generated on a LoRA adapter", ("pool", "adapter"),
+            registry=self.registry,
+        )
         # Reports name tenants by their prefix-cache salt, which is never exported
         # (an operator-set salt is a secret): the ingress maps salts to tenant names.
         self._tenant_names: dict[str, str] = {}
@@ -283,9 +293,13 @@ class IngressMetrics:
                 self._tenant_live.remove(*labels, tenant)
 
     def observe_request(
-        self, pool: str, *, ttft_s: float | None, e2e_s: float, tpot_s: float | None
-    ) -> None:
-        """Record one finished request's latencies."""
+        self, pool: str, *, ttft_s: float | None, e2e_s: float, tpot_s: float | None,
+        adapter: str | None = None, tokens: int = 0,
+    ) -> None:  # fmt: skip
+        """Record one finished request's latencies (and, on a LoRA adapter, its tokens)."""
+        if adapter is not None:
+            self.adapter_requests.labels(pool, adapter).inc()
+            self.adapter_tokens.labels(pool, adapter).inc(tokens)
         if ttft_s is not None:
             self.ttft.labels(pool).observe(ttft_s)
         if tpot_s is not None:

@@ -1,7 +1,9 @@
 """Prompts at the ingress: tokenized once, checked against the pool's limits first.
 
 The ingress tokenizes with the same tokenizer files the workers load, so its
-block hashes (routing) agree with theirs. A text that cannot fit
+block hashes (routing) agree with theirs; for the same reason it reads each
+LoRA adapter's identity (`name:<hash of its weights>`, which a request's
+prefix hashes carry) from the adapter files the workers load. A text that cannot fit
 max_model_len is refused before tokenizing; a long one is tokenized in a
 thread, off the event loop.
 """
@@ -13,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagefleet.cluster.config import PoolConfig
-from pagefleet.cluster.errors import InvalidArgument
+from pagefleet.cluster.errors import InvalidArgument, Unavailable
+from pagefleet.worker.lora import adapter_identity
 from pagefleet.worker.sampling_params import SamplingParams
 
 # Text prompts up to this many characters are tokenized inline (well under a
@@ -35,12 +38,25 @@ class Prompts:
     def __init__(self) -> None:
         self._tokenizers: dict[str, Any] = {}
         self._max_token_chars: dict[str, int] = {}
+        self._adapter_ids: dict[tuple[str, str], str] = {}
 
     def tokenizer(self, pool: PoolConfig) -> Any:
         """The pool's HF tokenizer, loaded on first use (None: the model has none)."""
         if pool.name not in self._tokenizers:
             self._tokenizers[pool.name] = load_tokenizer(str(pool.engine.model))
         return self._tokenizers[pool.name]
+
+    def adapter_id(self, pool: PoolConfig, name: str) -> str:
+        """The identity of the pool's LoRA adapter `name`, read on first use; UNAVAILABLE
+        when its weights cannot be read here."""
+        key = (pool.name, name)
+        if key not in self._adapter_ids:
+            path = pool.engine.adapter_dirs[name]
+            try:
+                self._adapter_ids[key] = adapter_identity(name, path)
+            except OSError as exc:
+                raise Unavailable(f"LoRA adapter {name!r} of pool {pool.name!r}: {exc}") from exc
+        return self._adapter_ids[key]
 
     async def token_ids(self, pool: PoolConfig, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, refusing a text too long to fit before tokenizing it

@@ -146,7 +146,7 @@ class RequestRun:
         # After a failover the new worker recomputes prompt + streamed tokens.
         request = WorkerRequest(
             self.worker_rid, (*req.prompt_ids, *self._streamed), params, req.priority, req.salt,
-            self._kv, num_resumed_tokens=len(self._streamed),
+            self._kv, num_resumed_tokens=len(self._streamed), adapter=req.adapter,
         )
         self._tried.add(slot.worker_id)
         slot.requests_routed += 1
@@ -271,6 +271,7 @@ class RequestRun:
             ttft_s=None if first is None else first - self._started,
             e2e_s=now - self._started,
             tpot_s=(now - first) / (num_tokens - 1) if first is not None and num_tokens > 1 else None,
+            adapter=self.req.adapter, tokens=num_tokens,
         )
 
     # ----- the worker's stream ------------------------------------------

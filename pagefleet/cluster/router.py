@@ -8,6 +8,12 @@ function, salted by tenant), finds each live worker's longest cached prefix,
 and picks the lowest
 
     cost = w_prefill * uncached_prompt_blocks + w_load * active_blocks + w_queue * waiting
+           + w_adapter_load * (the request's LoRA adapter is not resident there)
+
+A worker holds an adapter when its last load report lists it in a device
+slot, or when this router sent it a request on that adapter within
+`speculative_ttl_s` (it is loading it): a hot adapter's requests gather on
+the workers that hold it, and a cold one goes where loading it costs least.
 
 A block the worker holds only in its offload tier (host memory, after its
 pool run) costs a copy rather than a prefill: it counts as
@@ -76,6 +82,7 @@ class _Worker:
         "pending_blocks",
         "pool",
         "report",
+        "routed_adapters",
         "speculative",
         "worker_id",
     )
@@ -91,6 +98,12 @@ class _Worker:
         # Uncached blocks routed here since the last load report: keeps a burst from
         # piling onto one worker between two reports.
         self.pending_blocks = 0
+        self.routed_adapters: dict[str, float] = {}  # adapter -> expiry, from our own routing
+
+    def holds_adapter(self, adapter: str, now: float) -> bool:
+        if self.report is not None and adapter in self.report.resident_adapters:
+            return True
+        return self.routed_adapters.get(adapter, 0.0) > now
 
     def load(self) -> int:
         live = self.report.live_blocks if self.report is not None else 0
@@ -292,8 +305,10 @@ class Router:
         *,
         policy: str | None = None,
         exclude: Collection[str] = (),
+        adapter: str | None = None,
     ) -> RouteDecision:
-        """Pick a worker for a prompt given its block hashes; raises NoWorkerAvailable."""
+        """Pick a worker for a prompt given its block hashes (and the LoRA adapter it runs
+        with, None: the base model); raises NoWorkerAvailable."""
         policy = policy or self.config.policy
         candidates = [
             self._workers[w]
@@ -304,7 +319,7 @@ class Router:
             raise NoWorkerAvailable(pool)
         offloaded = 0
         if policy == "prefix_affinity":
-            chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes)
+            chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes, adapter)
         elif policy == "round_robin":
             chosen, matched, cost = self._round_robin(pool, candidates), 0, 0.0
         elif policy == "least_loaded":
@@ -317,6 +332,8 @@ class Router:
         if policy != "prefix_affinity":
             matched = self.matched_blocks(chosen.worker_id, hashes)
         self._note_routed(chosen, hashes, matched)
+        if adapter is not None:
+            chosen.routed_adapters[adapter] = self._clock() + self.config.speculative_ttl_s
         if self._on_routed is not None and hashes:
             self._on_routed(pool, chosen.worker_id, hashes)
         return RouteDecision(
@@ -331,7 +348,7 @@ class Router:
         )
 
     def _prefix_affinity(
-        self, candidates: list[_Worker], hashes: Sequence[bytes]
+        self, candidates: list[_Worker], hashes: Sequence[bytes], adapter: str | None = None
     ) -> tuple[_Worker, int, int, float]:
         candidate_mask = 0
         for w in candidates:
@@ -344,11 +361,14 @@ class Router:
         best: list[_Worker] = []
         best_cost = 0.0
         tier = self._offload_lengths(candidates, hashes, matches) if self._offload else {}
+        now = self._clock()
         for w, load in zip(candidates, loads, strict=True):
             credited: float = 0.0
             if load <= guard:
                 credited = matches.get(w.bit, 0) + cfg.offload_credit * tier.get(w.bit, 0)
             cost = cfg.w_prefill * (n - credited) + cfg.w_load * load + cfg.w_queue * w.waiting()
+            if adapter is not None and not w.holds_adapter(adapter, now):
+                cost += cfg.w_adapter_load
             if not best or cost < best_cost:
                 best, best_cost = [w], cost
             elif cost == best_cost:

@@ -55,6 +55,8 @@ class WorkerStatus:
     preemptions: int = 0
     evictions: int = 0
     tenant_live_blocks: Mapping[str, int] = field(default_factory=dict)
+    # The LoRA adapters in its device slots (to a tenant: only those it may use).
+    resident_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ they share one authentication rule and one pool rule:
   serves (the tenant's own pool wins when several serve it); nothing named:
   the tenant's pool. A pool the tenant may not see answers exactly like an
   unknown one, so a tenant learns nothing of another's pools.
+- LoRA adapters: a request selects one of its pool's adapters by name, as
+  OpenAI's `model` (the adapter's name in place of a pool or model; the
+  tenant's own pool wins when several list it) or as gRPC's `adapter`
+  field. An adapter the tenant may not use (`tenants[].adapters`) answers
+  exactly like an unknown one.
 - Salt: the tenant's prefix-cache salt (`TenantConfig.cache_salt`), set by
   the server, never by the client.
 """
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
-from pagefleet.cluster.errors import NotFound, Unauthenticated
+from pagefleet.cluster.errors import InvalidArgument, NotFound, Unauthenticated
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,27 @@ class Target:
 
     name: str = ""
     kind: Literal["pool", "model"] = "pool"
+    # A LoRA adapter of the pool, named apart from the pool (gRPC's `adapter`); "": none.
+    adapter: str = ""
 
     def not_found(self) -> NotFound:
         """NOT_FOUND for this name; it names no other pool."""
         if self.kind == "model":
             return NotFound(f"model {self.name!r} does not exist")
         return unknown_pool(self.name)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a request runs: its pool and the pool's LoRA adapter it selected (None: the base model)."""
+
+    pool: PoolConfig
+    adapter: str | None = None
+
+
+def unknown_adapter(name: str) -> NotFound:
+    """NOT_FOUND for an adapter the caller may not use; names no other adapter."""
+    return NotFound(f"unknown LoRA adapter {name!r}")
 
 
 def unknown_pool(name: str) -> NotFound:
@@ -92,17 +112,41 @@ class Tenancy:
             return [tenant.pool]
         return [p.name for p in self._config.pools]
 
-    def pool_for(self, tenant: TenantConfig, target: Target) -> PoolConfig:
-        """The pool a tenant's request runs in; NOT_FOUND for a target it may not use."""
+    def resolve(self, tenant: TenantConfig, target: Target) -> Resolved:
+        """The pool (and LoRA adapter) a tenant's request runs on; NOT_FOUND for a target
+        it may not use."""
+        resolved = self._by_name(tenant, target)
+        if not target.adapter:
+            return resolved
+        if resolved.adapter is not None:
+            raise InvalidArgument(
+                f"model {target.name!r} is a LoRA adapter already: name no second adapter"
+            )
+        if target.adapter not in self.adapters(tenant, resolved.pool.name):
+            raise unknown_adapter(target.adapter)
+        return Resolved(resolved.pool, target.adapter)
+
+    def _by_name(self, tenant: TenantConfig, target: Target) -> Resolved:
         if not target.name:
-            return self._config.pool(tenant.pool)
+            return Resolved(self._config.pool(tenant.pool))
         visible = self.visible_pools(tenant)
         if target.name in visible:
-            return self._config.pool(target.name)
+            return Resolved(self._config.pool(target.name))
         serving = [p.name for p in self._config.pools if p.engine.model == target.name and p.name in visible]
         if serving:
-            return self._config.pool(tenant.pool if tenant.pool in serving else serving[0])
+            return Resolved(self._config.pool(_own_first(tenant, serving)))
+        if target.kind == "model":
+            # An adapter's name in place of the model, as vLLM's clients select one.
+            holding = [p for p in visible if target.name in self.adapters(tenant, p)]
+            if holding:
+                return Resolved(self._config.pool(_own_first(tenant, holding)), target.name)
         raise target.not_found()
+
+    def adapters(self, tenant: TenantConfig | None, pool: str) -> list[str]:
+        """The LoRA adapters of a pool the tenant may use (the pool's, less those
+        `tenants[].adapters` leaves out), in the pool's order."""
+        names = list(self._config.pool(pool).engine.adapter_dirs)
+        return [n for n in names if tenant is None or tenant.may_use_adapter(n)]
 
     def visible_pool(self, tenant: TenantConfig | None, name: str) -> PoolConfig:
         """The pool called `name` if the tenant may see it (GetStatus's, /v1/models' lookup)."""
@@ -115,4 +159,9 @@ class Tenancy:
         return {t.cache_salt(): t.name for t in self._config.tenants}
 
 
-__all__ = ["Target", "Tenancy", "unknown_pool"]
+def _own_first(tenant: TenantConfig, pools: list[str]) -> str:
+    """The tenant's own pool if it is among `pools`, else the first of them."""
+    return tenant.pool if tenant.pool in pools else pools[0]
+
+
+__all__ = ["Resolved", "Target", "Tenancy", "unknown_adapter", "unknown_pool"]

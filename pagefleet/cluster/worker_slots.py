@@ -277,4 +277,5 @@ def worker_status(slot: WorkerSlot) -> WorkerStatus:
         peak_live_blocks=r.peak_live_blocks,
         num_running=r.num_running,
         num_waiting=r.num_waiting,
+        resident_adapters=r.resident_adapters,
     )

@@ -315,6 +315,7 @@ class WorkerActor:
             migrations_out=self._migrations_out,
             recompute_s_per_token=state.recompute_s_per_token,
             kv_import_s_per_block=self._kv_import_s_per_block,
+            resident_adapters=state.resident_adapters,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:

@@ -86,6 +86,7 @@ class ReportState:
     requests: list[RequestLoad]
     block_preemptions: int  # for want of a block, so far: the next call's preemptions_seen
     recompute_s_per_token: float
+    resident_adapters: tuple[str, ...] = ()
 
 
 class AsyncEngine:
@@ -223,6 +224,7 @@ class AsyncEngine:
                 requests=engine.request_loads() if short > 0 else [],
                 block_preemptions=count,
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
+                resident_adapters=engine.resident_adapters(),
             )
 
     def evict_cached(self, n: int) -> int:

@@ -122,6 +122,11 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
 
+    @property
+    def adapter_dirs(self) -> dict[str, str]:
+        """The LoRA adapters' directories by name, in name order."""
+        return dict(_adapter_pairs(self.lora_adapters))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_adapters", _adapter_pairs(self.lora_adapters))
         if self.max_loras < 1:

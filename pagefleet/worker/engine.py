@@ -65,7 +65,7 @@ class LLMEngine:
             dtype=config.dtype,
             device=config.device,
             kv_cache_dtype=config.kv_cache_dtype,
-            lora_adapters=dict(config.lora_adapters),
+            lora_adapters=config.adapter_dirs,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
         )

@@ -23,10 +23,11 @@ _KV_EVENT_TYPES = frozenset({"stored", "removed", "offload_stored", "offload_rem
 # Wire op codes: the pool's events keep their original bytes; the offload tier's follow.
 _KV_OPS = {"removed": 0, "stored": 1, "offload_removed": 2, "offload_stored": 3}
 _KV_KINDS = {op: kind for kind, op in _KV_OPS.items()}
-# LoadReport counters of the offload tier and of migration, by their field names.
+# LoadReport counters of the offload tier, of migration and of LoRA slots, by their field names.
 _OFFLOAD_FIELDS = ("offload_blocks", "offload_hit_tokens", "offload_bytes_in", "offload_bytes_out")
 _MIGRATION_FIELDS = ("kv_blocks_exported", "kv_blocks_imported", "kv_import_failures")
-_TIER_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS
+_LORA_FIELDS = ("lora_loads", "lora_evictions")
+_TIER_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS + _LORA_FIELDS
 
 
 class EventDecodeError(ValueError):
@@ -61,6 +62,13 @@ def _get(obj: Mapping[str, Any], name: str, typ: type | tuple[type, ...]) -> Any
     if not isinstance(value, typ):
         raise EventDecodeError(f"field {name!r} has type {type(value).__name__}")
     return value
+
+
+def _strings(obj: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    items = _get(obj, name, list)
+    if not all(isinstance(item, str) for item in items):
+        raise EventDecodeError(f"field {name!r} must hold strings")
+    return tuple(items)
 
 
 def _cost(obj: Mapping[str, Any], name: str) -> float:
@@ -163,6 +171,9 @@ class LoadReport:
     kv_blocks_exported: int = 0
     kv_blocks_imported: int = 0
     kv_import_failures: int = 0
+    # LoRA adapters loaded into a device slot, and evicted from one, cumulative.
+    lora_loads: int = 0
+    lora_evictions: int = 0
     # Cumulative tokens this worker incarnation has streamed out: the scheduler's
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
@@ -188,6 +199,9 @@ class LoadReport:
     # object store and the write; 0.0 until the first import).
     recompute_s_per_token: float = 0.0
     kv_import_s_per_block: float = 0.0
+    # The LoRA adapters in the worker's device slots now (routing prefers a worker that
+    # holds a request's adapter: loading one costs time).
+    resident_adapters: tuple[str, ...] = ()
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -251,6 +265,7 @@ class LoadReport:
                 "migrations_out": self.migrations_out,
                 "recompute_s_per_token": float(self.recompute_s_per_token),
                 "kv_import_s_per_block": float(self.kv_import_s_per_block),
+                "resident_adapters": list(self.resident_adapters),
             },
             use_bin_type=True,
         )
@@ -291,6 +306,7 @@ class LoadReport:
             migrations_out=_get(obj, "migrations_out", int),
             recompute_s_per_token=_cost(obj, "recompute_s_per_token"),
             kv_import_s_per_block=_cost(obj, "kv_import_s_per_block"),
+            resident_adapters=_strings(obj, "resident_adapters"),
         )
 
     @classmethod
@@ -314,6 +330,7 @@ class LoadReport:
         migrations_out: int = 0,
         recompute_s_per_token: float = 0.0,
         kv_import_s_per_block: float = 0.0,
+        resident_adapters: Iterable[str] = (),
     ) -> LoadReport:
         """Build a report from ``LLMEngine.stats()``.
 
@@ -371,6 +388,7 @@ class LoadReport:
             migrations_out=migrations_out,
             recompute_s_per_token=recompute_s_per_token,
             kv_import_s_per_block=kv_import_s_per_block,
+            resident_adapters=tuple(resident_adapters),
         )
 
 

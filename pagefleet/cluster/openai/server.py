@@ -166,7 +166,7 @@ class _OpenAIApi:
             body = await read_json(request, self._ingress.config.server)
             parsed = parse_request(body, chat=chat)
             target = Target(parsed.model, "model")
-            pool = self._ingress.tenancy.pool_for(tenant, target).name
+            pool = self._ingress.tenancy.resolve(tenant, target).pool.name
             if chat:
                 assert isinstance(parsed.prompt, list)
                 # A chat template may tokenize: off the event loop, like text prompts.
@@ -187,36 +187,50 @@ class _OpenAIApi:
         )
         return GenerationResponse(deltas, fmt, stream=parsed.stream, include_usage=parsed.include_usage)
 
-    def _model_entry(self, pool_name: str) -> dict[str, Any]:
+    def _model_entry(self, pool_name: str, adapter: str | None = None) -> dict[str, Any]:
+        """A pool's entry (`parent` None), or one of its LoRA adapters' (`parent`: the pool,
+        as vLLM lists adapters beside their base model; `root`: the adapter's name, no
+        server path)."""
         pool = self._ingress.config.pool(pool_name)
         entry: dict[str, Any] = {
-            "id": pool.name,
+            "id": adapter or pool.name,
             "object": "model",
             "created": self._created,
             "owned_by": "pagefleet",
-            "root": str(pool.engine.model),
+            "root": adapter or str(pool.engine.model),
+            "parent": pool.name if adapter else None,
         }
         if pool.engine.max_model_len is not None:  # else the model's own limit, unknown here
             entry["max_model_len"] = pool.engine.max_model_len
         return entry
+
+    def _model_entries(self, tenant: TenantConfig) -> dict[str, dict[str, Any]]:
+        """Every model id the tenant may name, pools first, each pool's adapters after it."""
+        tenancy = self._ingress.tenancy
+        entries: dict[str, dict[str, Any]] = {}
+        for pool in tenancy.visible_pools(tenant):
+            entries[pool] = self._model_entry(pool)
+            for adapter in tenancy.adapters(tenant, pool):
+                entries.setdefault(adapter, self._model_entry(pool, adapter))
+        return entries
 
     async def models(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
         except IngressError as exc:
             return error_response(exc)
-        data = [self._model_entry(name) for name in self._ingress.tenancy.visible_pools(tenant)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": list(self._model_entries(tenant).values())})
 
     async def model(self, request: Request) -> Response:
         try:
             tenant = self._tenant(request)
             name = request.path_params["model"]
-            if name not in self._ingress.tenancy.visible_pools(tenant):
+            entry = self._model_entries(tenant).get(name)
+            if entry is None:
                 raise NotFound(f"model {name!r} does not exist")
         except IngressError as exc:
             return error_response(exc)
-        return JSONResponse(self._model_entry(name))
+        return JSONResponse(entry)
 
     async def health(self, request: Request) -> Response:
         """200 when every pool has a live worker, else 503 (also while draining). Live

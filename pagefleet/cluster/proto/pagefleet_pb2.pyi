@@ -80,19 +80,29 @@ class SamplingParams(_message.Message):
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("pool", "priority", "prompt", "prompt_token_ids", "request_id", "sampling")
+    __slots__ = (
+        "adapter",
+        "pool",
+        "priority",
+        "prompt",
+        "prompt_token_ids",
+        "request_id",
+        "sampling",
+    )
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     priority: int
     pool: str
+    adapter: str
     def __init__(
         self,
         request_id: str | None = ...,
@@ -101,6 +111,7 @@ class GenerateRequest(_message.Message):
         sampling: SamplingParams | _Mapping | None = ...,
         priority: int | None = ...,
         pool: str | None = ...,
+        adapter: str | None = ...,
     ) -> None: ...
 
 class Usage(_message.Message):
@@ -212,6 +223,7 @@ class WorkerStatus(_message.Message):
         "prefix_hit_tokens",
         "prefix_query_tokens",
         "requests_routed",
+        "resident_adapters",
         "total_blocks",
         "worker_id",
     )
@@ -233,6 +245,7 @@ class WorkerStatus(_message.Message):
     MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     alive: bool
@@ -251,6 +264,7 @@ class WorkerStatus(_message.Message):
     migrations_out: int
     draining: bool
     node_ip: str
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(
         self,
         worker_id: str | None = ...,
@@ -271,6 +285,7 @@ class WorkerStatus(_message.Message):
         migrations_out: int | None = ...,
         draining: bool | None = ...,
         node_ip: str | None = ...,
+        resident_adapters: _Iterable[str] | None = ...,
     ) -> None: ...
 
 class PoolStatus(_message.Message):
