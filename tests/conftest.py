@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -13,11 +16,35 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest
 import torch
 
-torch.set_num_threads(2)
+# Under pytest-xdist each of the two test processes gets one core's worth of threads.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# Ray's driver waits this long for a lost GCS before its shutdown returns (its default
+# gcs_rpc_server_reconnect_timeout_s is 60 s), and a little more.
+RAY_SHUTDOWN_WAIT_S = 75.0
 
 if not torch.cuda.is_available():
     # Triton sets up its CPU interpreter only if TRITON_INTERPRET is set when triton is
     # first imported, and transformers imports triton: this must precede every test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_connected() -> Iterator[None]:
+    """Each module starts without Ray connected in this process, whichever module ran
+    before it here (pytest-xdist runs modules in any order on each process). A module
+    that lost its GCS leaves `ray.shutdown` finishing in a thread (`stop_local_ray`),
+    waiting out Ray's GCS reconnect timeout: wait for it, then end any Ray left."""
+    yield
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    deadline = time.monotonic() + RAY_SHUTDOWN_WAIT_S
+    while ray.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if ray.is_initialized():
+        ray.shutdown()

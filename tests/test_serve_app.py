@@ -131,6 +131,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # A second `serve run` onto this cluster (the pool-size test) joins it: no token.
     env["RAY_AUTH_MODE"] = "disabled"
+    # Its own local Ray, whatever other Ray runs on the host (another test module's
+    # `ray start` cluster, whose address file a bare `serve run` would join).
+    env["RAY_ADDRESS"] = "local"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.serve.scripts", "run", str(_serve_config(tmp, ports))],
         stdout=log,
