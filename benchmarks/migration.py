@@ -196,17 +196,20 @@ def one_round(
     return out
 
 
-def end_to_end(args: argparse.Namespace) -> None:
-    context, shared, streams = args.context, args.shared, args.streams
-    # The pinned worker has room for every prompt (the router counts each one whole)
-    # but not for every stream to its end: it runs short as they grow, and the
-    # scheduler moves one.
+def shortage_blocks(context: int, shared: int, streams: int, max_tokens: int) -> tuple[int, int]:
+    """(num_kv_blocks, max_model_len) of a worker that takes every stream's prompt (the
+    router counts each one whole) but not every stream to its end: it runs short as they
+    grow, and the scheduler moves one."""
     prompts_claim = streams * -(-context // BLOCK_SIZE)
-    full = shared // BLOCK_SIZE + streams * (-(-(context + args.max_tokens) // BLOCK_SIZE) - shared // BLOCK_SIZE)
+    full = shared // BLOCK_SIZE + streams * (-(-(context + max_tokens) // BLOCK_SIZE) - shared // BLOCK_SIZE)
     if full <= prompts_claim:
         raise SystemExit("--max-tokens too small for a shortage: raise it or lower --shared")
-    num_kv_blocks = prompts_claim + (full - prompts_claim) // 2
-    max_model_len = context + args.max_tokens + BLOCK_SIZE
+    return prompts_claim + (full - prompts_claim) // 2, context + max_tokens + BLOCK_SIZE
+
+
+def end_to_end(args: argparse.Namespace) -> None:
+    context, shared, streams = args.context, args.shared, args.streams
+    num_kv_blocks, max_model_len = shortage_blocks(context, shared, streams, args.max_tokens)
     print(
         f"end to end: {args.model}, 2 CPU workers x {num_kv_blocks} blocks of {BLOCK_SIZE}, "
         f"{streams} streams of {context} + {args.max_tokens} tokens ({shared} shared), "
