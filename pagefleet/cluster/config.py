@@ -86,6 +86,16 @@ def _message_limit(value: int) -> int:
     return value
 
 
+def _header_name(value: str) -> str:
+    # gRPC metadata keys are lowercase tokens, and "-bin" ones carry bytes, not text.
+    name = value.lower()
+    if not name or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name):
+        raise ValueError(f"must be a header name (letters, digits, '-', '_', '.'), got {value!r}")
+    if name.endswith("-bin") or name.startswith("grpc-"):
+        raise ValueError(f"must not end in '-bin' nor start with 'grpc-' (gRPC reserves them), got {value!r}")
+    return name
+
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 Port = Annotated[int, AfterValidator(_port)]
 MessageBytes = Annotated[ByteSize, AfterValidator(_message_limit)]
@@ -239,6 +249,11 @@ class RouterConfig(Section):
     w_adapter_load: Annotated[float, Field(ge=0)] = 8.0
     # Tell the other ingress replicas of every routing decision (see the router's docstring).
     share_routes: bool = True
+    # Session affinity: the request header (HTTP) / metadata key (gRPC) naming a session,
+    # how long a session's pin to its worker lasts unused, and how many pins a pool keeps.
+    session_header: Annotated[str, AfterValidator(_header_name)] = "x-session-id"
+    session_ttl_s: PositiveSeconds = 600.0
+    session_max_pins: Annotated[int, Field(ge=1)] = 100_000
 
 
 # The engine settings a pool's YAML may set: all of EngineConfig's but those the

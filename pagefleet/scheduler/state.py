@@ -24,6 +24,11 @@ start, fall behind the bounded log, or see a new generation (a restarted
 scheduler). The `generation` identifies this scheduler incarnation: after a
 restart it changes, and workers seeing a new generation (or being told they
 are unknown) register again and send a snapshot, which rebuilds the view.
+
+Session pins (`session_pins`) ride the same log: an ingress replica's new pin
+is kept here (bounded per pool, expiring) and relayed to every replica as a
+`SessionPin`; a snapshot carries the live ones. A restarted scheduler starts
+with none: sessions then fall back to prefix scoring once and are pinned again.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pagefleet.scheduler.policy import (
     blocks_to_evict,
     choose_migration,
 )
+from pagefleet.scheduler.session_pins import SessionPin, SessionPins
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 # Deltas kept for subscribers that are behind; older cursors get a snapshot.
@@ -54,6 +60,8 @@ DEAD_REPLICA_MEMORY_S = 300.0
 DUPLICATES_BELOW_FREE = 0.25
 # ...computed at most this often per worker.
 DUPLICATES_INTERVAL_S = 0.4
+# RouterConfig.session_max_pins' default: session pins kept per pool.
+DEFAULT_SESSION_PINS = 100_000
 
 
 @dataclass(frozen=True)
@@ -151,13 +159,13 @@ class ViewUpdate:
     """The answer to a subscriber: deltas after its cursor, or a snapshot.
 
     Apply `deltas` in order, then continue from `version`. With `snapshot`,
-    every worker appears once with `reset=True`.
+    every worker appears once with `reset=True`, followed by the live session pins.
     """
 
     generation: int
     version: int
     snapshot: bool
-    deltas: tuple[WorkerDelta | AbortNote, ...]
+    deltas: tuple[WorkerDelta | AbortNote | SessionPin, ...]
 
 
 @dataclass(frozen=True)
@@ -230,7 +238,10 @@ class ClusterState:
         eviction: EvictionWatermarks | None = None,
         log_size: int = DEFAULT_LOG_SIZE,
         migration: MigrationPolicy | None = None,
+        session_pins: int = DEFAULT_SESSION_PINS,
     ) -> None:
+        """`session_pins`: how many session pins to keep per pool (the least recently
+        used go first)."""
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
         if not stall_timeout_s > 0:
@@ -248,7 +259,7 @@ class ClusterState:
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
         self._version = 0
-        self._log: deque[WorkerDelta | AbortNote] = deque(maxlen=log_size)
+        self._log: deque[WorkerDelta | AbortNote | SessionPin] = deque(maxlen=log_size)
         # Counters for metrics: KV sequence gaps seen, snapshots applied.
         self.kv_gaps = 0
         self.snapshots = 0
@@ -267,6 +278,7 @@ class ClusterState:
         self._migrated_at: dict[str, float] = {}  # request id -> when it was last moved
         self._promised: list[tuple[float, str, int]] = []  # (when, target, blocks) of moves
         self.migrations: dict[str, int] = {}  # per pool: migrations ordered so far
+        self.sessions = SessionPins(session_pins, clock=clock)
 
     # ----- membership -----------------------------------------------------
 
@@ -298,6 +310,7 @@ class ClusterState:
         if entry is None:
             return False
         self._count(entry, (), tuple(entry.hashes))
+        self.sessions.drop_worker(worker_id)  # the replicas drop theirs with the delta
         self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
 
@@ -706,6 +719,19 @@ class ClusterState:
         self.route_notes += 1
         return True
 
+    def note_pins(self, pins: tuple[SessionPin, ...]) -> int:
+        """Keep ingress replicas' session pins and relay them to every replica; returns
+        how many were taken (a pin to a worker of another pool, or unknown, is not)."""
+        taken = 0
+        for pin in pins:
+            entry = self._workers.get(pin.worker_id)
+            if entry is None or entry.info.pool != pin.pool:
+                continue
+            self.sessions.put(pin.pool, pin.key, pin.worker_id, pin.ttl_s)
+            self._append(pin)
+            taken += 1
+        return taken
+
     # ----- subscriptions --------------------------------------------------
 
     @property
@@ -732,7 +758,7 @@ class ClusterState:
             )
             for e in self._workers.values()
         )
-        return ViewUpdate(self.generation, self._version, True, deltas)
+        return ViewUpdate(self.generation, self._version, True, (*deltas, *self.sessions.pins()))
 
     def _publish(
         self,
@@ -754,7 +780,7 @@ class ClusterState:
             )
         )
 
-    def _append(self, delta: WorkerDelta | AbortNote) -> None:
+    def _append(self, delta: WorkerDelta | AbortNote | SessionPin) -> None:
         self._version += 1
         self._log.append(delta)
 
