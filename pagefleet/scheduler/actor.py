@@ -206,12 +206,14 @@ class SchedulerActor:
         return self._state.cached_hashes(worker_id)
 
     async def index_stats(self) -> dict[str, int]:
-        """Index drift (blocks), KV sequence gaps and snapshots applied so far."""
+        """Index drift (blocks), KV sequence gaps, snapshots applied and route notes relayed
+        so far, and the session pins held now."""
         return {
             "drift_blocks": self._state.index_drift(),
             "kv_gaps": self._state.kv_gaps,
             "snapshots": self._state.snapshots,
             "route_notes": self._state.route_notes,
+            "session_pins": self._state.sessions.size(),
         }
 
     async def set_migration_transfer(self, transfer: bool | str) -> bool:
