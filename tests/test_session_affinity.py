@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -23,7 +26,10 @@ from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
+
 REPLICA_KEY = "x-pagefleet-replica"  # initial metadata naming the replica of a stream
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "session.py"
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +162,19 @@ def test_a_too_long_session_id_is_invalid_argument_over_grpc(cluster: RunningClu
     assert f"at most {MAX_SESSION_ID_CHARS} characters, got {MAX_SESSION_ID_CHARS + 1}" in (
         err.value.details() or ""
     )
+
+
+def test_the_session_benchmark_smoke_prints_both_ways_and_their_ratios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = importlib.util.spec_from_file_location("session_bench", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--ingress-replicas", "1,2"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    ways = {(cells[0].strip(), cells[1].strip()) for cells in rows if len(cells) == 6}
+    assert ways >= {("session", "1"), ("prefix only", "1"), ("session", "2"), ("prefix only", "2")}
+    ratios = [cells for cells in rows if len(cells) == 3 and cells[1].strip().endswith("x")]
+    assert [cells[0].strip() for cells in ratios] == ["1", "2"]
