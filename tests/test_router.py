@@ -3,20 +3,26 @@ and session affinity (pins, their expiry and bounds, shared between replicas).""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagefleet.cluster.api import MAX_SESSION_ID_CHARS, session_id_from_metadata
+from pagefleet.cluster.api import MAX_SESSION_ID_CHARS, GenerationRequest, session_id_from_metadata
+from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.errors import InvalidArgument
 from pagefleet.cluster.fleet_view import FleetView
+from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import NoWorkerAvailable, RouteDecision, Router, RouterConfig
+from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.session_pins import SessionKey, SessionPin
 from pagefleet.scheduler.state import ClusterState, ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
+from pagefleet.worker.sampling_params import SamplingParams
 
 BS = 16
 SYSTEM_A = list(range(1000, 1000 + 8 * BS))  # 8 full blocks
@@ -637,3 +643,45 @@ def test_a_session_id_is_read_from_the_configured_header_within_its_limits() -> 
         session_id_from_metadata([("x-session-id", "s" * 129)], "x-session-id")
     with pytest.raises(InvalidArgument, match="printable ASCII"):
         session_id_from_metadata([("x-session-id", "a\tb")], "x-session-id")
+
+
+def test_admission_sends_a_session_to_its_worker_and_counts_hits_new_and_repins() -> None:
+    async def scenario() -> None:
+        config = ClusterConfig.from_dict({"pools": [{"name": "a", "block_size": BS}]})
+        metrics = IngressMetrics()
+        ingress = Ingress(config, {"a": [("w0", None), ("w1", None)]}, metrics=metrics)
+
+        def view(*alive: str) -> None:
+            deltas = tuple(
+                WorkerDelta(WorkerInfo(w, "a", 1000, BS), w in alive,
+                            LoadReport(w, "a", ingress.fleet.version + 1, 0.0, 1000, 1000, 0, 0, 0))
+                for w in ("w0", "w1")
+            )  # fmt: skip
+            ingress.fleet.apply(ViewUpdate(1, ingress.fleet.version + 1, False, deltas))
+
+        def admit(i: int, session: str = "s1") -> str:
+            # Prompts of their own: nothing cached in common, so only the pin holds them.
+            req = GenerationRequest(
+                f"r{i}", tuple(range(100 * i, 100 * i + 2 * BS)), SamplingParams(max_tokens=4),
+                pool="a", tenant="default", session_id=session,
+            )  # fmt: skip
+            slot = ingress.admission.admit(config.pools[0], req, list(req.prompt_ids))
+            assert isinstance(slot, WorkerSlot)
+            ingress.admission.release(slot, req.key)
+            return slot.worker_id
+
+        view("w0", "w1")
+        first = admit(0)
+        assert [admit(i) for i in range(1, 5)] == [first] * 4
+        other = "w1" if first == "w0" else "w0"
+        view(other)  # the session's worker leaves routing
+        assert admit(5) == other
+        view("w0", "w1")
+        assert admit(6) == other  # re-pinned: it stays there
+
+        def count(outcome: str) -> float | None:
+            return metrics.registry.get_sample_value("session_routes_total", {"pool": "a", "outcome": outcome})
+
+        assert (count("new"), count("hit"), count("repin")) == (1.0, 5.0, 1.0)
+
+    asyncio.run(scenario())
