@@ -5,7 +5,8 @@ the real `ClusterState`, `FleetView`s and `Router`s, a service model of
 serialized prefills and batched decodes) runs a `ChatWorkload`: sessions of
 `--turns` turns, each turn's prompt the previous prompt and answer plus a new
 message, the next turn sent a think time after the answer. Each run sends
-the same requests at the same times twice: naming their session (session
+the same requests twice (sessions starting at the same times, each turn the
+same think time after its previous answer): naming their session (session
 affinity on top of the prefix-affinity router) and not (prefix affinity
 alone), over `--ingress-replicas` replicas sharing the scheduler's view, KV
 events travelling with the workers' reports as in the cluster. It prints the

@@ -95,7 +95,8 @@ class ChatWorkload:
     of `num_system_prompts` system prompts; a session's next turn arrives a
     think time (exponential, mean `think_s`) after its previous answer ended.
     With `sessions`, every request names its session; without, only its
-    prompt routes it. Both ways send the same requests at the same times.
+    prompt routes it. Both ways send the same requests, sessions starting at the same
+    times and each turn the same think time after its previous answer.
     """
 
     num_sessions: int = 96
