@@ -122,7 +122,8 @@ def _served_by(cluster: RunningCluster, send: Callable[[], None]) -> str:
 
 
 def test_an_openai_client_session_header_keeps_its_chat_on_one_worker(cluster: RunningCluster) -> None:
-    # No keep-alive: each request takes a new connection, so both replicas see the session.
+    # No keep-alive: each request takes a new connection, which the kernel hands to
+    # either replica.
     http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
     client = openai.OpenAI(
         base_url=f"{cluster.http_url}/v1", api_key="x", timeout=120, max_retries=0, http_client=http
