@@ -121,7 +121,7 @@ def _served_by(cluster: RunningCluster, send: Callable[[], None]) -> str:
     return changed[0]
 
 
-def test_an_openai_client_session_header_keeps_its_chat_on_one_worker(cluster: RunningCluster) -> None:
+def test_an_openai_clients_session_header_keeps_its_requests_on_one_worker(cluster: RunningCluster) -> None:
     # No keep-alive: each request takes a new connection, which the kernel hands to
     # either replica.
     http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
