@@ -7,9 +7,9 @@ affinity alone would spread them over both workers; the session pin keeps them o
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import importlib.util
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +29,9 @@ from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPLICA_KEY = "x-pagefleet-replica"  # initial metadata naming the replica of a stream
+# The tiny model spells digits one token each: a prompt's leading number of its own
+# makes its first KV block (BOS + 3 digits) its own.
+_NUMBERS = itertools.count(100)
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "session.py"
 
 
@@ -49,8 +52,8 @@ def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
 
 
 def _prompt(tag: str, turn: int) -> str:
-    # A distinct first word per request: no two prompts share a block.
-    return f"{tag}{turn} says hello to the session test, turn {turn}."
+    """A prompt no other shares a block with."""
+    return f"{next(_NUMBERS)} {tag} says hello to the session test, turn {turn}."
 
 
 def _generate(target: str, prompt: str, session: str, *, avoid: str = "") -> tuple[str, str]:
@@ -94,11 +97,11 @@ def test_a_sessions_requests_land_on_one_worker_through_both_replicas(cluster: R
 
 
 def test_different_sessions_spread_and_each_keeps_its_worker(cluster: RunningCluster) -> None:
-    sessions = [f"spread-{i}" for i in range(6)]
-    with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
-        first = dict(zip(sessions, pool.map(
-            lambda s: _generate(cluster.grpc_target, _prompt(s, 0), s)[1], sessions
-        ), strict=True))  # fmt: skip
+    # One at a time: no worker ever has a request waiting (which would make it
+    # overloaded, and move its session). Idle workers tie, so 12 new sessions all
+    # on one worker would take 11 coin flips landing the same way.
+    sessions = [f"spread-{i}" for i in range(12)]
+    first = {s: _generate(cluster.grpc_target, _prompt(s, 0), s)[1] for s in sessions}
     assert set(first.values()) == {wid for wid, _ in cluster.workers["default"]}
     for session in sessions:
         assert _generate(cluster.grpc_target, _prompt(session, 1), session)[1] == first[session]
