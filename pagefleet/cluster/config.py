@@ -50,6 +50,7 @@ from typing_extensions import Self
 
 from pagefleet.scheduler.autoscale import AutoscalePolicy
 from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, MigrationPolicy
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL
 from pagefleet.worker.config import EngineConfig, InvalidField
 from pagefleet.worker.sizes import ByteSize
 
@@ -253,7 +254,7 @@ class RouterConfig(Section):
     # how long a session's pin to its worker lasts unused, and how many pins a pool keeps.
     session_header: Annotated[str, AfterValidator(_header_name)] = "x-session-id"
     session_ttl_s: PositiveSeconds = 600.0
-    session_max_pins: Annotated[int, Field(ge=1)] = 100_000
+    session_max_pins: Annotated[int, Field(ge=1)] = DEFAULT_MAX_PER_POOL
 
 
 # The engine settings a pool's YAML may set: all of EngineConfig's but those the

@@ -31,8 +31,8 @@ from typing import Any
 import ray
 
 from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
-from pagefleet.scheduler.session_pins import SessionPin
-from pagefleet.scheduler.state import DEFAULT_SESSION_PINS, ClusterState, ClusterView, ViewUpdate
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin
+from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class SchedulerActor:
         stall_timeout_s: float = 3.0,
         index_check_interval_s: float = 10.0,
         migration: MigrationPolicy | None = DEFAULT_MIGRATION,
-        session_pins: int = DEFAULT_SESSION_PINS,
+        session_pins: int = DEFAULT_MAX_PER_POOL,
     ) -> None:
         self._state = ClusterState(
             report_timeout_s=report_timeout_s,
@@ -263,7 +263,7 @@ def start_scheduler(
     index_check_interval_s: float = 10.0,
     migration: MigrationPolicy | None = DEFAULT_MIGRATION,
     resources: dict[str, float] | None = None,
-    session_pins: int = DEFAULT_SESSION_PINS,
+    session_pins: int = DEFAULT_MAX_PER_POOL,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 

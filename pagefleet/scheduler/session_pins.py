@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 SessionKey = tuple[str, str]  # (tenant, session id)
+# Pins kept per pool unless configured (`router.session_max_pins`): about 35 MB.
+DEFAULT_MAX_PER_POOL = 100_000
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ are unknown) register again and send a snapshot, which rebuilds the view.
 Session pins (`session_pins`) ride the same log: an ingress replica's new pin
 is kept here (bounded per pool, expiring) and relayed to every replica as a
 `SessionPin`; a snapshot carries the live ones. A restarted scheduler starts
-with none: sessions then fall back to prefix scoring once and are pinned again.
+with none; the replicas keep theirs, and tell it each session's pin again as
+the session is pinned anew or its pin is refreshed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pagefleet.scheduler.policy import (
     blocks_to_evict,
     choose_migration,
 )
-from pagefleet.scheduler.session_pins import SessionPin, SessionPins
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin, SessionPins
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 # Deltas kept for subscribers that are behind; older cursors get a snapshot.
@@ -60,8 +61,6 @@ DEAD_REPLICA_MEMORY_S = 300.0
 DUPLICATES_BELOW_FREE = 0.25
 # ...computed at most this often per worker.
 DUPLICATES_INTERVAL_S = 0.4
-# RouterConfig.session_max_pins' default: session pins kept per pool.
-DEFAULT_SESSION_PINS = 100_000
 
 
 @dataclass(frozen=True)
@@ -238,7 +237,7 @@ class ClusterState:
         eviction: EvictionWatermarks | None = None,
         log_size: int = DEFAULT_LOG_SIZE,
         migration: MigrationPolicy | None = None,
-        session_pins: int = DEFAULT_SESSION_PINS,
+        session_pins: int = DEFAULT_MAX_PER_POOL,
     ) -> None:
         """`session_pins`: how many session pins to keep per pool (the least recently
         used go first)."""
