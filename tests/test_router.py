@@ -1,18 +1,28 @@
-"""Router: prefix matching from KV events, the cost with its imbalance guard, and the baselines."""
+"""Router: prefix matching from KV events, the cost with its imbalance guard, the baselines,
+and session affinity (pins, their expiry and bounds, shared between replicas)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagefleet.cluster.api import MAX_SESSION_ID_CHARS, GenerationRequest, session_id_from_metadata
+from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.errors import InvalidArgument
 from pagefleet.cluster.fleet_view import FleetView
-from pagefleet.cluster.router import NoWorkerAvailable, Router, RouterConfig
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.metrics import IngressMetrics
+from pagefleet.cluster.router import NoWorkerAvailable, RouteDecision, Router, RouterConfig
+from pagefleet.cluster.worker_slots import WorkerSlot
+from pagefleet.scheduler.session_pins import SessionKey, SessionPin
+from pagefleet.scheduler.state import ClusterState, ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
+from pagefleet.worker.sampling_params import SamplingParams
 
 BS = 16
 SYSTEM_A = list(range(1000, 1000 + 8 * BS))  # 8 full blocks
@@ -438,3 +448,240 @@ def test_a_cold_adapter_follows_its_first_request_until_the_reports_show_it() ->
     first = router.route_hashes("chat", hashes, adapter="beta").worker_id
     other = hash_token_blocks(list(range(70, 70 + BS)), BS, adapter_id="beta:0")
     assert all(router.route_hashes("chat", other, adapter="beta").worker_id == first for _ in range(5))
+
+
+# ----- session affinity ---------------------------------------------------------------
+
+S1 = ("acme", "s1")  # (tenant, session id)
+
+
+def session_router(
+    n: int = 3, *, on_pinned: Callable[[SessionPin], None] | None = None, **cfg: object
+) -> tuple[Router, FakeClock]:
+    """A router over `n` idle workers w0.. of pool "chat", on a clock the test moves."""
+    clock = FakeClock()
+    cfg.setdefault("speculative_ttl_s", 0.0)
+    router = Router(RouterConfig(**cfg), seed=0, clock=clock, on_pinned=on_pinned)  # type: ignore[arg-type]
+    for i in range(n):
+        router.add_worker(f"w{i}", "chat", block_size=BS)
+        load(router, f"w{i}", 0)
+    return router, clock
+
+
+def pinned_to(router: Router, worker_id: str, session: SessionKey = S1) -> None:
+    """Route the session's first request where its prompt is cached: the pin's worker."""
+    hashes = hash_token_blocks(prompt(SYSTEM_A, 7), BS)
+    store(router, worker_id, hashes)
+    decision = router.route_hashes("chat", hashes, session=session)
+    assert (decision.worker_id, decision.session) == (worker_id, "new")
+
+
+def route_b(router: Router, session: SessionKey | None = S1, **kw: object) -> RouteDecision:
+    """Route a prompt of SYSTEM_B, which the test has cached on w2 (if anywhere)."""
+    return router.route_hashes("chat", hash_token_blocks(prompt(SYSTEM_B), BS), session=session, **kw)  # type: ignore[arg-type]
+
+
+def test_a_session_goes_to_its_pinned_worker_even_where_another_holds_the_prompt() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    hit = route_b(router)
+    assert (hit.worker_id, hit.session) == ("w0", "hit")
+    assert route_b(router, session=None).worker_id == "w2"  # without the session: by prefix
+
+
+def test_a_session_whose_worker_died_is_repinned_by_prefix_scoring() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    router.set_alive("w0", False)
+    moved = route_b(router)
+    assert (moved.worker_id, moved.session) == ("w2", "repin")
+    router.set_alive("w0", True)  # back, but the session now lives on w2
+    assert (route_b(router).worker_id, route_b(router).session) == ("w2", "hit")
+
+
+@pytest.mark.parametrize(("live", "waiting"), [(200, 0), (0, 1)])
+def test_a_session_leaves_an_overloaded_worker(live: int, waiting: int) -> None:
+    # Overloaded: load beyond imbalance_ratio x the least load + slack (0 x 1.5 + 64), or
+    # requests waiting in its engine.
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    load(router, "w0", live, waiting=waiting, seq=2)
+    moved = route_b(router)
+    assert (moved.worker_id, moved.session) == ("w2", "repin")
+
+
+def test_a_session_stays_on_a_worker_loaded_within_the_guard() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    load(router, "w0", 60, seq=2)  # within 1.5 x 0 + 64
+    assert route_b(router).worker_id == "w0"
+
+
+def test_a_session_whose_worker_has_no_room_is_repinned() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    moved = route_b(router, exclude=("w0",))  # admission excludes the workers without room
+    assert moved.worker_id != "w0" and moved.session == "repin"
+
+
+def test_a_pin_expires_its_ttl_after_its_last_use() -> None:
+    router, clock = session_router(session_ttl_s=10.0)
+    pinned_to(router, "w0")
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    clock.now = 8.0
+    assert route_b(router).session == "hit"  # the use refreshes the pin
+    clock.now = 17.0
+    assert route_b(router).session == "hit"
+    clock.now = 27.5
+    expired = route_b(router)
+    assert (expired.worker_id, expired.session) == ("w2", "new")
+
+
+def test_one_tenants_session_id_does_not_route_another_tenants_requests() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0", ("acme", "s1"))
+    store(router, "w2", hash_token_blocks(SYSTEM_B, BS))
+    other = route_b(router, session=("globex", "s1"))
+    assert (other.worker_id, other.session) == ("w2", "new")
+    assert route_b(router, session=("acme", "s1")).worker_id == "w0"
+
+
+def test_pins_per_pool_are_capped_dropping_the_least_recently_used() -> None:
+    router, _ = session_router(session_max_pins=2)
+    for session in ("s1", "s2", "s3"):
+        route_b(router, session=("acme", session))
+    assert router.sessions.size("chat") == 2
+    assert route_b(router, session=("acme", "s1")).session == "new"  # the oldest went
+    assert route_b(router, session=("acme", "s3")).session == "hit"
+
+
+def test_a_removed_workers_pins_are_dropped() -> None:
+    router, _ = session_router()
+    pinned_to(router, "w0")
+    router.remove_worker("w0")
+    assert router.sessions.size("chat") == 0
+    assert route_b(router).session == "new"
+
+
+def test_new_pins_are_shared_and_a_hit_only_before_the_others_copies_expire() -> None:
+    told: list[SessionPin] = []
+    router, clock = session_router(on_pinned=told.append, session_ttl_s=10.0)
+    first = route_b(router)
+    assert told == [SessionPin("chat", "acme", "s1", first.worker_id, 10.0)]
+    clock.now = 4.0
+    route_b(router)  # the others' copy still has 6 s
+    assert len(told) == 1
+    clock.now = 5.5
+    route_b(router)  # under half a TTL left there: told again
+    assert len(told) == 2
+
+
+def _replica(state: ClusterState, replica_id: str, clock: FakeClock) -> FleetView:
+    router = Router(RouterConfig(speculative_ttl_s=0.0), seed=len(replica_id), clock=clock,
+                    on_pinned=lambda pin: state.note_pins((pin,)))  # fmt: skip
+    view = FleetView(router, lambda _delta: None, replica_id)
+    view.apply(state.updates_since(None, 0))
+    return view
+
+
+def _fleet_state(clock: FakeClock) -> ClusterState:
+    state = ClusterState(generation=1, clock=clock)
+    for wid in ("w0", "w1"):
+        state.register_worker(WorkerInfo(wid, "chat", 1000, BS))
+    return state
+
+
+def test_a_second_replica_sends_a_session_to_the_worker_the_first_pinned() -> None:
+    clock = FakeClock()
+    state = _fleet_state(clock)
+    zero, one = _replica(state, "r0", clock), _replica(state, "r1", clock)
+    chosen = route_b(zero.router).worker_id
+    one.apply(state.updates_since(one.generation, one.version))
+    # Replica 1 has the prompt cached elsewhere by its view: the pin still wins.
+    store(one.router, "w1" if chosen == "w0" else "w0", hash_token_blocks(SYSTEM_B, BS))
+    assert (route_b(one.router).worker_id, route_b(one.router).session) == (chosen, "hit")
+
+
+def test_a_replica_that_starts_later_gets_the_live_pins_with_its_snapshot() -> None:
+    clock = FakeClock()
+    state = _fleet_state(clock)
+    chosen = route_b(_replica(state, "r0", clock).router).worker_id
+    late = _replica(state, "r1", clock)
+    assert late.router.sessions.get("chat", S1) == chosen
+    state.deregister_worker(chosen)  # the scheduler forgets a gone worker's pins
+    assert list(state.sessions.pins()) == []
+
+
+def test_two_replicas_pinning_one_session_at_once_settle_on_the_schedulers_last() -> None:
+    clock = FakeClock()
+    state = _fleet_state(clock)
+    zero, one = _replica(state, "r0", clock), _replica(state, "r1", clock)
+    store(zero.router, "w0", hash_token_blocks(SYSTEM_B, BS))
+    store(one.router, "w1", hash_token_blocks(SYSTEM_B, BS))
+    assert route_b(zero.router).worker_id == "w0" and route_b(one.router).worker_id == "w1"
+    for view in (zero, one):
+        view.apply(state.updates_since(view.generation, view.version))
+    assert zero.router.sessions.get("chat", S1) == one.router.sessions.get("chat", S1) == "w1"
+
+
+def test_the_session_header_is_a_lowercase_header_name() -> None:
+    assert RouterConfig(session_header="X-Correlation-ID").session_header == "x-correlation-id"
+    for bad in ("", "x session", "x-session-bin", "grpc-session"):
+        with pytest.raises(ValueError, match="session_header"):
+            RouterConfig(session_header=bad)
+
+
+def test_a_session_id_is_read_from_the_configured_header_within_its_limits() -> None:
+    headers = [("x-api-key", "k"), ("x-session-id", "chat-42")]
+    assert session_id_from_metadata(headers, "x-session-id") == "chat-42"
+    assert session_id_from_metadata(headers, "x-correlation-id") == ""
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_SESSION_ID_CHARS} characters, got 129"):
+        session_id_from_metadata([("x-session-id", "s" * 129)], "x-session-id")
+    with pytest.raises(InvalidArgument, match="printable ASCII"):
+        session_id_from_metadata([("x-session-id", "a\tb")], "x-session-id")
+
+
+def test_admission_sends_a_session_to_its_worker_and_counts_hits_new_and_repins() -> None:
+    async def scenario() -> None:
+        config = ClusterConfig.from_dict({"pools": [{"name": "a", "block_size": BS}]})
+        metrics = IngressMetrics()
+        ingress = Ingress(config, {"a": [("w0", None), ("w1", None)]}, metrics=metrics)
+
+        def view(*alive: str) -> None:
+            deltas = tuple(
+                WorkerDelta(WorkerInfo(w, "a", 1000, BS), w in alive,
+                            LoadReport(w, "a", ingress.fleet.version + 1, 0.0, 1000, 1000, 0, 0, 0))
+                for w in ("w0", "w1")
+            )  # fmt: skip
+            ingress.fleet.apply(ViewUpdate(1, ingress.fleet.version + 1, False, deltas))
+
+        def admit(i: int, session: str = "s1") -> str:
+            # Prompts of their own: nothing cached in common, so only the pin holds them.
+            req = GenerationRequest(
+                f"r{i}", tuple(range(100 * i, 100 * i + 2 * BS)), SamplingParams(max_tokens=4),
+                pool="a", tenant="default", session_id=session,
+            )  # fmt: skip
+            slot = ingress.admission.admit(config.pools[0], req, list(req.prompt_ids))
+            assert isinstance(slot, WorkerSlot)
+            ingress.admission.release(slot, req.key)
+            return slot.worker_id
+
+        view("w0", "w1")
+        first = admit(0)
+        assert [admit(i) for i in range(1, 5)] == [first] * 4
+        other = "w1" if first == "w0" else "w0"
+        view(other)  # the session's worker leaves routing
+        assert admit(5) == other
+        view("w0", "w1")
+        assert admit(6) == other  # re-pinned: it stays there
+
+        def count(outcome: str) -> float | None:
+            return metrics.registry.get_sample_value("session_routes_total", {"pool": "a", "outcome": outcome})
+
+        assert (count("new"), count("hit"), count("repin")) == (1.0, 5.0, 1.0)
+
+    asyncio.run(scenario())

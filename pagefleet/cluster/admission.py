@@ -41,6 +41,7 @@ from pagefleet.scheduler.policy import (
     claim_headroom,
     full_claim,
 )
+from pagefleet.scheduler.session_pins import SessionKey
 from pagefleet.worker.events import LoadReport
 
 
@@ -61,6 +62,7 @@ class Waiter:
     n: int
     future: asyncio.Future[WorkerSlot | None]
     adapter: str | None = None
+    session: SessionKey | None = None  # (tenant, session id) of a request naming its session
 
 
 class Admission:
@@ -128,6 +130,7 @@ class Admission:
         waiter = Waiter(
             req.key, pool.name, prompt_ids, hashes, req.priority, req.params.max_tokens,
             req.params.n, asyncio.get_running_loop().create_future(), req.adapter,
+            (req.tenant, req.session_id) if req.session_id else None,
         )
         head = self._waiting.peek(pool.name)
         # FIFO: nobody may take free room ahead of a waiting request, but a request that
@@ -250,10 +253,13 @@ class Admission:
         others = [slot.worker_id for slot in self.slots.pool(pool.name) if slot not in fit]
         try:
             decision = self.router.route_hashes(
-                pool.name, waiter.hashes, policy=self.policy, exclude=others, adapter=waiter.adapter
-            )
+                pool.name, waiter.hashes, policy=self.policy, exclude=others, adapter=waiter.adapter,
+                session=waiter.session,
+            )  # fmt: skip
         except NoWorkerAvailable:
             return None
+        if decision.session and self.metrics is not None:
+            self.metrics.session_routes.labels(pool.name, decision.session).inc()
         return self.slots[decision.worker_id]
 
     def _need(self, slot: WorkerSlot, pool: PoolConfig, waiter: Waiter) -> int:

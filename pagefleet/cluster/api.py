@@ -23,6 +23,9 @@ from pagefleet.worker.sampling_params import SamplingParams
 
 # A client's request_id is echoed in every message and kept while the request runs.
 MAX_REQUEST_ID_CHARS = 256
+# A session id is kept (as a pin, on every ingress replica and the scheduler) for
+# `router.session_ttl_s` after its last request: short, and plain text.
+MAX_SESSION_ID_CHARS = 128
 
 
 def scoped_request_id(tenant: str, request_id: str) -> str:
@@ -90,6 +93,8 @@ class GenerationRequest:
     # `name:hash` identity, which its prefix hashes carry as the worker's do.
     adapter: str | None = None
     adapter_id: str | None = None
+    # The client's session (`x-session-id`), "" for none: routed to its session's worker.
+    session_id: str = ""
 
     @property
     def key(self) -> str:
@@ -125,6 +130,24 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | N
     return None
 
 
+def session_id_from_metadata(metadata: Sequence[tuple[str, Any]] | None, header: str) -> str:
+    """The client's session id: the first `header` (`router.session_header`) entry of the
+    HTTP headers or gRPC metadata, "" without one. INVALID_ARGUMENT past
+    `MAX_SESSION_ID_CHARS` or with a character outside printable ASCII."""
+    for key, value in metadata or ():
+        if key != header:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+        if len(text) > MAX_SESSION_ID_CHARS:
+            raise InvalidArgument(
+                f"{header} must be at most {MAX_SESSION_ID_CHARS} characters, got {len(text)}"
+            )
+        if not (text.isascii() and text.isprintable()):
+            raise InvalidArgument(f"{header} must be printable ASCII (0x20-0x7e), got {text[:40]!r}")
+        return text
+    return ""
+
+
 class Front(Protocol):
     """What a front calls on the ingress it serves."""
 
@@ -141,8 +164,10 @@ class Front(Protocol):
         *,
         request_id: str = "",
         priority: int = 0,
+        session: str = "",
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Stream one request of `tenant`; raises IngressError before or during the stream."""
+        """Stream one request of `tenant` (of its `session`, "" for none); raises
+        IngressError before or during the stream."""
         ...
 
     async def abort(self, request_id: str, tenant: str = "", *, anywhere: bool = True) -> bool:
@@ -175,4 +200,5 @@ __all__ = [
     "request_id_or_new",
     "sampling_params",
     "scoped_request_id",
+    "session_id_from_metadata",
 ]

@@ -376,6 +376,7 @@ def start_schedulers(config: ClusterConfig, namespace: str) -> tuple[Any, ...]:
             stall_timeout_s=config.scheduler.stall_timeout_s,
             index_check_interval_s=config.scheduler.index_check_interval_s,
             migration=config.scheduler.migration_policy(),
+            session_pins=config.router.session_max_pins,
             # On the head node, with the ingress and membership: a worker node's loss
             # never takes the cluster's view with it.
             resources={HEAD_NODE_RESOURCE: 0.001},

@@ -50,6 +50,7 @@ from typing_extensions import Self
 
 from pagefleet.scheduler.autoscale import AutoscalePolicy
 from pagefleet.scheduler.policy import AdmissionMode, EvictionWatermarks, MigrationPolicy
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL
 from pagefleet.worker.config import EngineConfig, InvalidField
 from pagefleet.worker.sizes import ByteSize
 
@@ -84,6 +85,16 @@ def _message_limit(value: int) -> int:
     if not 1024 <= value < 2**31:
         raise ValueError(f"must be in [1024, 2**31), got {value}")
     return value
+
+
+def _header_name(value: str) -> str:
+    # gRPC metadata keys are lowercase tokens, and "-bin" ones carry bytes, not text.
+    name = value.lower()
+    if not name or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in name):
+        raise ValueError(f"must be a header name (letters, digits, '-', '_', '.'), got {value!r}")
+    if name.endswith("-bin") or name.startswith("grpc-"):
+        raise ValueError(f"must not end in '-bin' nor start with 'grpc-' (gRPC reserves them), got {value!r}")
+    return name
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -239,6 +250,11 @@ class RouterConfig(Section):
     w_adapter_load: Annotated[float, Field(ge=0)] = 8.0
     # Tell the other ingress replicas of every routing decision (see the router's docstring).
     share_routes: bool = True
+    # Session affinity: the request header (HTTP) / metadata key (gRPC) naming a session,
+    # how long a session's pin to its worker lasts unused, and how many pins a pool keeps.
+    session_header: Annotated[str, AfterValidator(_header_name)] = "x-session-id"
+    session_ttl_s: PositiveSeconds = 600.0
+    session_max_pins: Annotated[int, Field(ge=1)] = DEFAULT_MAX_PER_POOL
 
 
 # The engine settings a pool's YAML may set: all of EngineConfig's but those the

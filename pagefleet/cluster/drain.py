@@ -60,13 +60,15 @@ class Drain:
         *,
         request_id: str = "",
         priority: int = 0,
+        session: str = "",
     ) -> AsyncGenerator[StreamDelta, None]:
         """`Ingress.submit`, counted in flight; UNAVAILABLE once draining has started."""
         request_id = request_id_or_new(request_id)  # the id a timeout aborts
         with self._track(tenant.name, request_id):
             stream = self._ingress.submit(
-                tenant, target, prompt, params, request_id=request_id, priority=priority
-            )
+                tenant, target, prompt, params, request_id=request_id, priority=priority,
+                session=session,
+            )  # fmt: skip
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     yield delta

@@ -26,7 +26,11 @@ waiting cancels it and says so with its next subscribe.
 the scheduler shard owning the pool, which relays them to the other
 replicas as route notes (`Router.note_routed_elsewhere`): one call per
 shard per `ROUTE_NOTE_INTERVAL_S` at most, carrying every decision made
-since the previous one.
+since the previous one, and every session pin (`Router.on_pinned`). The
+scheduler keeps the pins and relays each, as a `SessionPin` in the view, to
+every replica, this one included: all apply them in the scheduler's order,
+so when two replicas pin one session at once they end up agreeing on the
+last.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagefleet.cluster.router import Router
+from pagefleet.scheduler.session_pins import SessionPin
 from pagefleet.scheduler.state import AbortNote, ViewUpdate, WorkerDelta
 
 logger = logging.getLogger(__name__)
@@ -109,6 +114,9 @@ class FleetView:
                 self.router.clear_index(cursor.workers)
             self.snapshots += 1
         for delta in update.deltas:
+            if isinstance(delta, SessionPin):
+                self.router.apply_pin(delta)
+                continue
             if isinstance(delta, AbortNote):
                 if delta.origin != self.replica_id and self._on_abort and self._on_abort(delta.key):
                     cursor.found.append(delta.note_id)
@@ -189,10 +197,12 @@ class _Cursor:
 class RouteSharer:
     """Sends this replica's routing decisions to the scheduler shards (see the module docstring).
 
-    `note` is the router's `on_routed` callback: synchronous and cheap, it
-    only buffers. Nothing is sent before `bind` gives the shards' handles.
-    A failed call drops its notes: they are hints that expire within
-    `speculative_ttl_s` anyway, and the workers' KV events follow.
+    `note` is the router's `on_routed` callback, `pin` its `on_pinned`:
+    synchronous and cheap, they only buffer. Nothing is sent before `bind`
+    gives the shards' handles. A failed call drops its notes: they are hints
+    that expire within `speculative_ttl_s` anyway, and the workers' KV
+    events follow; a lost pin leaves the other replicas to score the
+    session's next turn by prefix, which mostly finds the same worker.
     """
 
     def __init__(self, replica_id: str, shard_of: Mapping[str, int]) -> None:
@@ -200,16 +210,29 @@ class RouteSharer:
         self._shard_of = dict(shard_of)
         self._schedulers: list[Any] = []
         self._pending: dict[int, list[tuple[str, tuple[bytes, ...]]]] = {}
+        self._pins: dict[int, list[SessionPin]] = {}
         self._sending: dict[int, asyncio.Task[None]] = {}
 
     def bind(self, schedulers: Any | Sequence[Any]) -> None:
         self._schedulers = list(schedulers) if isinstance(schedulers, Sequence) else [schedulers]
 
     def note(self, pool: str, worker_id: str, hashes: Sequence[bytes]) -> None:
+        shard = self._shard(pool)
+        if shard is not None:
+            self._pending.setdefault(shard, []).append((worker_id, tuple(hashes)))
+            self._start(shard)
+
+    def pin(self, pin: SessionPin) -> None:
+        shard = self._shard(pin.pool)
+        if shard is not None:
+            self._pins.setdefault(shard, []).append(pin)
+            self._start(shard)
+
+    def _shard(self, pool: str) -> int | None:
         shard = self._shard_of.get(pool, 0)
-        if not self._schedulers or shard >= len(self._schedulers):
-            return
-        self._pending.setdefault(shard, []).append((worker_id, tuple(hashes)))
+        return shard if shard < len(self._schedulers) else None
+
+    def _start(self, shard: int) -> None:
         if shard not in self._sending:
             self._sending[shard] = asyncio.get_running_loop().create_task(self._send(shard))
 
@@ -217,11 +240,12 @@ class RouteSharer:
         try:
             while True:
                 await asyncio.sleep(ROUTE_NOTE_INTERVAL_S)  # the burst so far goes in one call
-                notes = self._pending.pop(shard, None)
-                if not notes:
+                notes = self._pending.pop(shard, [])
+                pins = self._pins.pop(shard, [])
+                if not notes and not pins:
                     return
                 try:
-                    await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes))
+                    await self._schedulers[shard].routed.remote(self.replica_id, tuple(notes), tuple(pins))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # scheduler restarting: these hints are lost

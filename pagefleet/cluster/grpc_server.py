@@ -28,6 +28,7 @@ from pagefleet.cluster.api import (
     api_key_from_metadata,
     request_id_or_new,
     sampling_params,
+    session_id_from_metadata,
 )
 from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.errors import WIRE_STATUS, InvalidArgument
@@ -129,15 +130,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            tenant = self._ingress.tenancy.authenticate(
-                api_key_from_metadata(context.invocation_metadata())
-            )
+            metadata = context.invocation_metadata()
+            tenant = self._ingress.tenancy.authenticate(api_key_from_metadata(metadata))
             sub = request_from_proto(request)
+            session = session_id_from_metadata(metadata, self._ingress.config.router.session_header)
             # Which ingress replica serves the stream (several share the port).
             await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
             stream = self._drain.submit(
                 tenant, sub.target, sub.prompt, sub.params,
-                request_id=sub.request_id, priority=sub.priority,
+                request_id=sub.request_id, priority=sub.priority, session=session,
             )  # fmt: skip
             async for delta in stream:
                 yield delta_to_proto(delta)

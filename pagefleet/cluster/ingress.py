@@ -104,8 +104,9 @@ class Ingress:
         shared = max(server.ingress_replicas, server.ingress_max_replicas or 1) > 1
         self.routes = RouteSharer(self.replica_id, config.scheduler_shards())
         self.router = Router(
-            config.router, seed=router_seed, on_routed=self.routes.note if shared else None
-        )
+            config.router, seed=router_seed, on_routed=self.routes.note if shared else None,
+            on_pinned=self.routes.pin if shared else None,
+        )  # fmt: skip
         self._scheduler = scheduler
         # `resolve_worker(worker_id)`: the handle of a worker added while serving.
         self.slots = WorkerSlots(
@@ -189,9 +190,11 @@ class Ingress:
         *,
         request_id: str = "",
         priority: int = 0,
+        session: str = "",
     ) -> AsyncGenerator[StreamDelta, None]:
         """Stream one request of `tenant`: its pool and adapter (`Tenancy.resolve`), its prompt
-        tokenized once here and checked against the pool's limits, then admitted and run.
+        tokenized once here and checked against the pool's limits, then admitted and run
+        (on its `session`'s worker, when it names one and that worker can take it).
         Raises IngressError before or during the stream."""
         resolved = self.tenancy.resolve(tenant, target)
         pool = resolved.pool
@@ -204,7 +207,7 @@ class Ingress:
         adapter_id = None if resolved.adapter is None else self._prompts.adapter_id(pool, resolved.adapter)
         req = GenerationRequest(
             request_id, tuple(prompt_ids), params, priority, pool.name, tenant.cache_salt(), tenant.name,
-            resolved.adapter, adapter_id,
+            resolved.adapter, adapter_id, session,
         )  # fmt: skip
         run = RequestRun(
             req, pool, admission=self.admission, slots=self.slots, replica_id=self.replica_id,

@@ -173,6 +173,13 @@ class IngressMetrics:
             "blocks the scheduler's index believed cached that the worker did not hold, at its last check",
             labels, registry=self.registry,
         )
+        self.session_routes = Counter(
+            "session_routes",
+            "requests naming a session, by outcome: hit (sent to the session's worker), new "
+            "(no live pin) or repin (its worker was dead, full or overloaded: routed anew)",
+            ("pool", "outcome"),
+            registry=self.registry,
+        )
         self.failovers = Counter(
             "failovers", "streams resumed on another worker after a worker failure", ("pool",),
             registry=self.registry,

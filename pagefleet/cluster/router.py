@@ -33,6 +33,18 @@ reports it (a report interval plus a prefill later). So with
 through the scheduler to the other replicas, whose routers index it as
 speculative and count its blocks as the worker's pending load
 (`note_routed_elsewhere`), as if they had routed it themselves.
+
+Session affinity: a request that names a session (`session`, a (tenant,
+session id) key) goes to the worker its session is pinned to while that
+worker is live, among the candidates (it has room) and not overloaded: no
+request waits in its engine and its load is within the imbalance guard
+above. Otherwise the policy chooses and the session is pinned to its choice
+(a re-pin). Pins expire `session_ttl_s` after their last use, at most
+`session_max_pins` per pool (`pagefleet.scheduler.session_pins`). Each new
+pin goes to `on_pinned`, which the ingress sends through the scheduler to
+the other replicas (`apply_pin`), so they all send the session's next turn
+to the same worker; a pin used only here is told again before the others'
+copies expire.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagefleet.cluster.config import ROUTING_POLICIES, RouterConfig
+from pagefleet.scheduler.session_pins import SessionKey, SessionPin, SessionPins
 from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
@@ -72,6 +85,9 @@ class RouteDecision:
     cost: float  # prefix_affinity's score of the chosen worker; 0.0 for the other policies
     num_candidates: int
     offload_blocks: int = 0  # blocks after matched_blocks the chosen worker holds in its tier
+    # With a session: "hit" (its pinned worker), "new" (no live pin) or "repin" (its
+    # worker was dead, full or overloaded); "" without one.
+    session: str = ""
 
 
 class _Worker:
@@ -125,11 +141,15 @@ class Router:
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_routed: Callable[[str, str, Sequence[bytes]], None] | None = None,
+        on_pinned: Callable[[SessionPin], None] | None = None,
     ) -> None:
         """`on_routed(pool, worker_id, hashes)` is called after each decision when the
-        config's `share_routes` is on."""
+        config's `share_routes` is on; `on_pinned(pin)` for each session pin the other
+        replicas should learn (a new one, or a refresh before their copies expire)."""
         self.config = config or RouterConfig()
         self._on_routed = on_routed if self.config.share_routes else None
+        self._on_pinned = on_pinned
+        self.sessions = SessionPins(self.config.session_max_pins, clock=clock)
         self._rng = random.Random(seed)
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
@@ -169,6 +189,7 @@ class Router:
         if worker is None:
             return
         self._clear_index([worker])
+        self.sessions.drop_worker(worker_id)
         self._pools[worker.pool].remove(worker_id)
         slot = worker.bit.bit_length() - 1
         del self._by_slot[slot]
@@ -240,6 +261,13 @@ class Router:
         for block_hash in delta.offload_removed:
             _clear_bit(offload, block_hash, bit)
 
+    def apply_pin(self, pin: SessionPin) -> None:
+        """Take a session pin from the view (another replica's, or this one's own as the
+        scheduler ordered it); a pin to a worker this router does not know is ignored."""
+        worker = self._workers.get(pin.worker_id)
+        if worker is not None and worker.pool == pin.pool:
+            self.sessions.put(pin.pool, pin.key, pin.worker_id, pin.ttl_s)
+
     def clear_index(self, worker_ids: Collection[str] | None = None) -> None:
         """Forget every indexed hash (before applying a snapshot); workers and loads stay.
 
@@ -306,9 +334,10 @@ class Router:
         policy: str | None = None,
         exclude: Collection[str] = (),
         adapter: str | None = None,
+        session: SessionKey | None = None,
     ) -> RouteDecision:
-        """Pick a worker for a prompt given its block hashes (and the LoRA adapter it runs
-        with, None: the base model); raises NoWorkerAvailable."""
+        """Pick a worker for a prompt given its block hashes (the LoRA adapter it runs
+        with, None: the base model; its session, None: none); raises NoWorkerAvailable."""
         policy = policy or self.config.policy
         candidates = [
             self._workers[w]
@@ -318,7 +347,15 @@ class Router:
         if not candidates:
             raise NoWorkerAvailable(pool)
         offloaded = 0
-        if policy == "prefix_affinity":
+        outcome = ""
+        pinned: _Worker | None = None
+        if session is not None:
+            pinned_id = self.sessions.get(pool, session)
+            pinned = self._usable_pin(pinned_id, candidates) if pinned_id is not None else None
+            outcome = "hit" if pinned is not None else "new" if pinned_id is None else "repin"
+        if pinned is not None:
+            chosen, matched, cost = pinned, 0, 0.0
+        elif policy == "prefix_affinity":
             chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes, adapter)
         elif policy == "round_robin":
             chosen, matched, cost = self._round_robin(pool, candidates), 0, 0.0
@@ -329,8 +366,10 @@ class Router:
             chosen, matched, cost = self._least_loaded(pair), 0, 0.0
         else:
             raise ValueError(f"unknown routing policy {policy!r}, expected one of {ROUTING_POLICIES}")
-        if policy != "prefix_affinity":
+        if pinned is not None or policy != "prefix_affinity":
             matched = self.matched_blocks(chosen.worker_id, hashes)
+        if session is not None:
+            self._pin(pool, session, chosen, fresh=outcome != "hit")
         self._note_routed(chosen, hashes, matched)
         if adapter is not None:
             chosen.routed_adapters[adapter] = self._clock() + self.config.speculative_ttl_s
@@ -345,7 +384,28 @@ class Router:
             cost=cost,
             num_candidates=len(candidates),
             offload_blocks=offloaded,
+            session=outcome,
         )
+
+    def _usable_pin(self, worker_id: str, candidates: list[_Worker]) -> _Worker | None:
+        """The pinned worker, if it is a candidate (live, with room) and not overloaded."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker not in candidates:
+            return None
+        # The prefix scorer's imbalance guard: a session stays where its history is
+        # cached until its worker is as overloaded as would cost any prompt its affinity.
+        cfg = self.config
+        guard = cfg.imbalance_ratio * min(w.load() for w in candidates) + cfg.imbalance_slack_blocks
+        if worker.waiting() > 0 or worker.load() > guard:
+            return None
+        return worker
+
+    def _pin(self, pool: str, session: SessionKey, worker: _Worker, *, fresh: bool) -> None:
+        ttl = self.config.session_ttl_s
+        share = fresh or self.sessions.needs_sharing(pool, session, ttl)
+        self.sessions.put(pool, session, worker.worker_id, ttl, shared=share)
+        if share and self._on_pinned is not None:
+            self._on_pinned(SessionPin(pool, *session, worker.worker_id, ttl))
 
     def _prefix_affinity(
         self, candidates: list[_Worker], hashes: Sequence[bytes], adapter: str | None = None

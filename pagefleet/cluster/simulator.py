@@ -14,7 +14,10 @@ report (every `report_interval_s`) to a real `ClusterState`; each of
 `num_ingress_replicas` replicas follows it with a real `FleetView` and routes
 with its own real `Router`, whose decisions reach the other replicas through
 the same `ClusterState` after `route_note_delay_s` (`share_routes`); arrivals
-go to the replicas in turn. With
+go to the replicas in turn. A `ChatWorkload` runs multi-turn sessions instead,
+each turn's request naming its session when `sessions` is on (session
+affinity, the pins shared between replicas through the same `ClusterState`
+after `route_note_delay_s`). With
 `eviction` set, each push's answer steers the worker's pool as a worker's
 ack does: evict ahead of need below the watermark, and (replica-aware) mark
 the hashes another worker keeps so they are evicted before last copies.
@@ -38,6 +41,7 @@ from typing import Any
 from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
 from pagefleet.scheduler.policy import EvictionWatermarks
+from pagefleet.scheduler.session_pins import SessionKey, SessionPin
 from pagefleet.scheduler.state import ClusterState, PushResult
 from pagefleet.worker.block_pool import BlockPool, NoFreeBlocks
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
@@ -80,6 +84,42 @@ class Workload:
             raise ValueError(f"arrival_rate must be > 0, got {self.arrival_rate}")
         if not 0.0 <= self.hot_share <= 1.0:
             raise ValueError(f"hot_share must be in [0, 1], got {self.hot_share}")
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Multi-turn chat: `num_sessions` sessions of `turns` turns each; a turn's prompt is
+    the previous turn's prompt and answer plus a new message of `message_tokens`.
+
+    Sessions start as a Poisson process (`session_rate` a second), each with one
+    of `num_system_prompts` system prompts; a session's next turn arrives a
+    think time (exponential, mean `think_s`) after its previous answer ended.
+    With `sessions`, every request names its session; without, only its
+    prompt routes it. Both ways send the same requests, sessions starting at the same
+    times and each turn the same think time after its previous answer.
+    """
+
+    num_sessions: int = 96
+    turns: int = 6
+    num_system_prompts: int = 4
+    system_prompt_tokens: int = 256
+    message_tokens: int = 48
+    output_tokens: int = 32
+    session_rate: float = 4.0  # new sessions per second
+    think_s: float = 1.0
+    sessions: bool = True
+    vocab_size: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_sessions", "turns", "num_system_prompts", "message_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.system_prompt_tokens < 0:
+            raise ValueError(f"system_prompt_tokens must be >= 0, got {self.system_prompt_tokens}")
+        for name in ("session_rate", "think_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +189,9 @@ class _Request:
     output_tokens: int
     blocks: list[int] = field(default_factory=list)
     ttft: float = 0.0
+    session: SessionKey | None = None
+    next_turn: _Request | None = None  # the session's next request, sent think_s after this one
+    think_s: float = 0.0
 
 
 class _Worker:
@@ -185,7 +228,7 @@ class Simulation:
 
     def __init__(
         self,
-        workload: Workload,
+        workload: Workload | ChatWorkload,
         cfg: SimConfig,
         policy: str,
         router_config: RouterConfig | None = None,
@@ -208,6 +251,7 @@ class Simulation:
                     seed=workload.seed + i,
                     clock=lambda: self.now,
                     on_routed=functools.partial(self._routed, f"r{i}"),
+                    on_pinned=self._pinned,
                 ),
                 lambda _delta: None,
                 f"r{i}",
@@ -232,13 +276,17 @@ class Simulation:
 
     def run(self) -> SimResult:
         """Simulate until every request has finished."""
-        requests = make_requests(self.workload, self.cfg.block_size)
-        w = self.workload
-        need = -(-(w.system_prompt_tokens + w.suffix_tokens + w.output_tokens) // self.cfg.block_size)
+        bs = self.cfg.block_size
+        if isinstance(self.workload, ChatWorkload):
+            requests = make_chat_requests(self.workload, bs)
+        else:
+            requests = make_requests(self.workload, bs)
+        need = max(-(-(len(r.prompt) + r.output_tokens) // bs) for r in requests)
         if need > self.cfg.num_blocks:
             raise ValueError(f"a request needs {need} blocks, a worker has only {self.cfg.num_blocks}")
         for req in requests:
-            self._at(req.arrival, "arrival", req)
+            if req.arrival >= 0:  # a session's later turns arrive after its previous one
+                self._at(req.arrival, "arrival", req)
         self._at(0.0, "report", None)
         while self._events and len(self._finished) < len(requests):
             self.now, _, kind, payload = heapq.heappop(self._events)
@@ -258,7 +306,7 @@ class Simulation:
     def _on_arrival(self, req: _Request) -> None:
         view = self.replicas[self._next_replica % len(self.replicas)]
         self._next_replica += 1
-        decision = view.router.route_hashes(_POOL, req.hashes)
+        decision = view.router.route_hashes(_POOL, req.hashes, session=req.session)
         worker = self.workers[decision.worker_id]
         worker.waiting.append(req)
         self._admit(worker)
@@ -266,6 +314,14 @@ class Simulation:
     def _routed(self, replica_id: str, _pool: str, worker_id: str, hashes: Sequence[bytes]) -> None:
         if len(self.replicas) > 1:
             self._at(self.now + self.cfg.route_note_delay_s, "route_note", (replica_id, worker_id, hashes))
+
+    def _pinned(self, pin: SessionPin) -> None:
+        if len(self.replicas) > 1:
+            self._at(self.now + self.cfg.route_note_delay_s, "pin", pin)
+
+    def _on_pin(self, pin: SessionPin) -> None:
+        self.state.note_pins((pin,))
+        self._sync()
 
     def _on_route_note(self, item: tuple[str, str, Sequence[bytes]]) -> None:
         replica_id, worker_id, hashes = item
@@ -308,6 +364,9 @@ class Simulation:
         self._finished.append(req)
         self._publish(worker)
         self._admit(worker)
+        if req.next_turn is not None:
+            req.next_turn.arrival = self.now + req.think_s
+            self._at(req.next_turn.arrival, "arrival", req.next_turn)
 
     # worker behaviour -------------------------------------------------------------
 
@@ -392,6 +451,36 @@ def make_requests(workload: Workload, block_size: int) -> list[_Request]:
     return out
 
 
+def make_chat_requests(workload: ChatWorkload, block_size: int) -> list[_Request]:
+    """Every turn of every session, deterministic in the seed; only first turns have an
+    arrival time (the others get theirs when the turn before them ends)."""
+    rng = random.Random(workload.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(workload.vocab_size) for _ in range(n)]
+
+    systems = [tokens(workload.system_prompt_tokens) for _ in range(workload.num_system_prompts)]
+    out: list[_Request] = []
+    t = 0.0
+    for s in range(workload.num_sessions):
+        t += rng.expovariate(workload.session_rate)
+        history = list(systems[rng.randrange(workload.num_system_prompts)])
+        session = ("sim", f"s{s}") if workload.sessions else None
+        previous: _Request | None = None
+        for turn in range(workload.turns):
+            history += tokens(workload.message_tokens)
+            req = _Request(
+                len(out), t if turn == 0 else -1.0, list(history), hash_token_blocks(history, block_size),
+                workload.output_tokens, session=session, think_s=rng.expovariate(1 / workload.think_s),
+            )  # fmt: skip
+            if previous is not None:
+                previous.next_turn = req
+            previous = req
+            history += tokens(workload.output_tokens)  # the answer, part of the next prompt
+            out.append(req)
+    return out
+
+
 def ideal_hit_rate(requests: Sequence[_Request], block_size: int) -> float:
     """Hit rate of one shared cache that never evicts, in arrival order."""
     seen: set[bytes] = set()
@@ -415,7 +504,7 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 
 def simulate(
     policy: str,
-    workload: Workload | None = None,
+    workload: Workload | ChatWorkload | None = None,
     cfg: SimConfig | None = None,
     router_config: RouterConfig | None = None,
 ) -> SimResult:

@@ -31,6 +31,7 @@ from typing import Any
 import ray
 
 from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin
 from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 
@@ -82,6 +83,7 @@ class SchedulerActor:
         stall_timeout_s: float = 3.0,
         index_check_interval_s: float = 10.0,
         migration: MigrationPolicy | None = DEFAULT_MIGRATION,
+        session_pins: int = DEFAULT_MAX_PER_POOL,
     ) -> None:
         self._state = ClusterState(
             report_timeout_s=report_timeout_s,
@@ -89,6 +91,7 @@ class SchedulerActor:
             stall_timeout_s=stall_timeout_s,
             index_check_interval_s=index_check_interval_s,
             migration=migration,
+            session_pins=session_pins,
         )
         self._changed = asyncio.Event()
         self._acked = asyncio.Event()  # a replica subscribed while abort notes are pending
@@ -157,10 +160,15 @@ class SchedulerActor:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         return self._state.updates_since(generation, cursor)
 
-    async def routed(self, replica_id: str, notes: tuple[tuple[str, tuple[bytes, ...]], ...]) -> int:
+    async def routed(
+        self, replica_id: str, notes: tuple[tuple[str, tuple[bytes, ...]], ...],
+        pins: tuple[SessionPin, ...] = (),
+    ) -> int:  # fmt: skip
         """Relay an ingress replica's routing decisions, `(worker_id, block hashes)`
-        each, to the other replicas through the view; returns how many were published."""
+        each, to the other replicas through the view, and its session pins to every
+        replica (the scheduler keeps them too); returns how many were published."""
         published = sum(self._state.note_routed(replica_id, w, hashes) for w, hashes in notes)
+        published += self._state.note_pins(pins)
         if published:
             self._wake()
         return published
@@ -198,12 +206,14 @@ class SchedulerActor:
         return self._state.cached_hashes(worker_id)
 
     async def index_stats(self) -> dict[str, int]:
-        """Index drift (blocks), KV sequence gaps and snapshots applied so far."""
+        """Index drift (blocks), KV sequence gaps, snapshots applied and route notes relayed
+        so far, and the session pins held now."""
         return {
             "drift_blocks": self._state.index_drift(),
             "kv_gaps": self._state.kv_gaps,
             "snapshots": self._state.snapshots,
             "route_notes": self._state.route_notes,
+            "session_pins": self._state.sessions.size(),
         }
 
     async def set_migration_transfer(self, transfer: bool | str) -> bool:
@@ -253,6 +263,7 @@ def start_scheduler(
     index_check_interval_s: float = 10.0,
     migration: MigrationPolicy | None = DEFAULT_MIGRATION,
     resources: dict[str, float] | None = None,
+    session_pins: int = DEFAULT_MAX_PER_POOL,
 ) -> Any:
     """Get or create the named scheduler actor and return its handle.
 
@@ -268,6 +279,7 @@ def start_scheduler(
     a request to another worker of its pool (None: never). An existing actor
     keeps the settings it was started with. `resources`: custom Ray resources it
     asks for (the cluster pins it to the head node with Ray's head-node marker).
+    `session_pins`: session pins kept per pool (`router.session_max_pins`).
     """
     options: dict[str, Any] = {
         "name": shard_actor_name(shard),
@@ -283,7 +295,7 @@ def start_scheduler(
     if detached:
         options["lifetime"] = "detached"
     return ray.remote(SchedulerActor).options(**options).remote(
-        report_timeout_s, eviction, stall_timeout_s, index_check_interval_s, migration
+        report_timeout_s, eviction, stall_timeout_s, index_check_interval_s, migration, session_pins
     )
 
 

@@ -24,6 +24,12 @@ start, fall behind the bounded log, or see a new generation (a restarted
 scheduler). The `generation` identifies this scheduler incarnation: after a
 restart it changes, and workers seeing a new generation (or being told they
 are unknown) register again and send a snapshot, which rebuilds the view.
+
+Session pins (`session_pins`) ride the same log: an ingress replica's new pin
+is kept here (bounded per pool, expiring) and relayed to every replica as a
+`SessionPin`; a snapshot carries the live ones. A restarted scheduler starts
+with none; the replicas keep theirs, and tell it each session's pin again as
+the session is pinned anew or its pin is refreshed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pagefleet.scheduler.policy import (
     blocks_to_evict,
     choose_migration,
 )
+from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin, SessionPins
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
 # Deltas kept for subscribers that are behind; older cursors get a snapshot.
@@ -151,13 +158,13 @@ class ViewUpdate:
     """The answer to a subscriber: deltas after its cursor, or a snapshot.
 
     Apply `deltas` in order, then continue from `version`. With `snapshot`,
-    every worker appears once with `reset=True`.
+    every worker appears once with `reset=True`, followed by the live session pins.
     """
 
     generation: int
     version: int
     snapshot: bool
-    deltas: tuple[WorkerDelta | AbortNote, ...]
+    deltas: tuple[WorkerDelta | AbortNote | SessionPin, ...]
 
 
 @dataclass(frozen=True)
@@ -230,7 +237,10 @@ class ClusterState:
         eviction: EvictionWatermarks | None = None,
         log_size: int = DEFAULT_LOG_SIZE,
         migration: MigrationPolicy | None = None,
+        session_pins: int = DEFAULT_MAX_PER_POOL,
     ) -> None:
+        """`session_pins`: how many session pins to keep per pool (the least recently
+        used go first)."""
         if not report_timeout_s > 0:
             raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
         if not stall_timeout_s > 0:
@@ -248,7 +258,7 @@ class ClusterState:
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
         self._version = 0
-        self._log: deque[WorkerDelta | AbortNote] = deque(maxlen=log_size)
+        self._log: deque[WorkerDelta | AbortNote | SessionPin] = deque(maxlen=log_size)
         # Counters for metrics: KV sequence gaps seen, snapshots applied.
         self.kv_gaps = 0
         self.snapshots = 0
@@ -267,6 +277,7 @@ class ClusterState:
         self._migrated_at: dict[str, float] = {}  # request id -> when it was last moved
         self._promised: list[tuple[float, str, int]] = []  # (when, target, blocks) of moves
         self.migrations: dict[str, int] = {}  # per pool: migrations ordered so far
+        self.sessions = SessionPins(session_pins, clock=clock)
 
     # ----- membership -----------------------------------------------------
 
@@ -298,6 +309,7 @@ class ClusterState:
         if entry is None:
             return False
         self._count(entry, (), tuple(entry.hashes))
+        self.sessions.drop_worker(worker_id)  # the replicas drop theirs with the delta
         self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
 
@@ -706,6 +718,19 @@ class ClusterState:
         self.route_notes += 1
         return True
 
+    def note_pins(self, pins: tuple[SessionPin, ...]) -> int:
+        """Keep ingress replicas' session pins and relay them to every replica; returns
+        how many were taken (a pin to a worker of another pool, or unknown, is not)."""
+        taken = 0
+        for pin in pins:
+            entry = self._workers.get(pin.worker_id)
+            if entry is None or entry.info.pool != pin.pool:
+                continue
+            self.sessions.put(pin.pool, pin.key, pin.worker_id, pin.ttl_s)
+            self._append(pin)
+            taken += 1
+        return taken
+
     # ----- subscriptions --------------------------------------------------
 
     @property
@@ -732,7 +757,7 @@ class ClusterState:
             )
             for e in self._workers.values()
         )
-        return ViewUpdate(self.generation, self._version, True, deltas)
+        return ViewUpdate(self.generation, self._version, True, (*deltas, *self.sessions.pins()))
 
     def _publish(
         self,
@@ -754,7 +779,7 @@ class ClusterState:
             )
         )
 
-    def _append(self, delta: WorkerDelta | AbortNote) -> None:
+    def _append(self, delta: WorkerDelta | AbortNote | SessionPin) -> None:
         self._version += 1
         self._log.append(delta)
 

@@ -27,7 +27,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagefleet.cluster.api import ErrorCode, Front, IngressError, Target, api_key_from_metadata
+from pagefleet.cluster.api import (
+    ErrorCode,
+    Front,
+    IngressError,
+    Target,
+    api_key_from_metadata,
+    session_id_from_metadata,
+)
 from pagefleet.cluster.config import ServerConfig, TenantConfig
 from pagefleet.cluster.dashboard import dashboard_routes
 from pagefleet.cluster.drain import Drain
@@ -163,6 +170,9 @@ class _OpenAIApi:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
             tenant = self._tenant(request)
+            session = session_id_from_metadata(
+                request.headers.items(), self._ingress.config.router.session_header
+            )
             body = await read_json(request, self._ingress.config.server)
             parsed = parse_request(body, chat=chat)
             target = Target(parsed.model, "model")
@@ -183,8 +193,9 @@ class _OpenAIApi:
         tokenizer = self._ingress.tokenizer(pool) if parsed.params.logprobs is not None else None
         fmt = ResponseFormat(chat, request_id, parsed.model or pool, int(time.time()), tokenizer)
         deltas = self._drain.submit(
-            tenant, target, prompt, parsed.params, request_id=request_id, priority=parsed.priority
-        )
+            tenant, target, prompt, parsed.params, request_id=request_id, priority=parsed.priority,
+            session=session,
+        )  # fmt: skip
         return GenerationResponse(deltas, fmt, stream=parsed.stream, include_usage=parsed.include_usage)
 
     def _model_entry(self, pool_name: str, adapter: str | None = None) -> dict[str, Any]:
