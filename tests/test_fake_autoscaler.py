@@ -1,12 +1,11 @@
-"""Ray's autoscaler launches a node of manifests/cluster.yaml's GPU type for a GPU
-request, a pagefleet worker runs and serves there, and the node goes once the
-request is withdrawn and the worker removed (the fake multi-node provider:
-tests/fake_autoscaler.py).
+"""Ray's autoscaler launches a node of manifests/cluster.yaml's GPU type for a pagefleet
+worker that asks for a GPU, the worker runs and serves there, and the node goes once
+the worker is removed (the fake multi-node provider: tests/fake_autoscaler.py).
 
-The head has no CPUs (the manifest's head runs the ingress, router and scheduler,
-which ask for none), so a CPU worker can only run on a node the autoscaler
-launched. The worker asks for CPU only: a pool's `device: cpu` worker that asks
-for a GPU (`num_gpus_per_worker: 1`) is put on CUDA by membership today.
+The head has no CPUs and no GPUs (the manifest's head runs the ingress, router and
+scheduler, which ask for none), so the pool's one worker (`device: cpu`,
+`num_gpus_per_worker: 1`: placed one per GPU, computing on CPU) can only run on a
+node the autoscaler launched for it.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from fake_autoscaler import (
     FakeAutoscalingCluster,
     fake_autoscaling_cluster,
 )
-from ray.autoscaler.sdk import request_resources
 from ray.exceptions import RayActorError
 
 from pagefleet import SamplingParams
@@ -48,32 +46,44 @@ LAUNCH_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
-def gpu_node(fake_autoscaling_cluster: FakeAutoscalingCluster) -> dict[str, Any]:
-    """The node the autoscaler launched for a one-GPU request."""
-    request_resources(bundles=[{"GPU": 1}])
-    fake_autoscaling_cluster.wait_for_nodes(2, LAUNCH_TIMEOUT_S)
-    (node,) = fake_autoscaling_cluster.gpu_nodes()
-    return node
-
-
-@pytest.fixture(scope="module")
-def pagefleet_on_gpu_node(gpu_node: dict[str, Any]) -> Iterator[RunningCluster]:
-    running = start_cluster(small_cluster_config(workers=1), grpc_port=0, metrics_port=None)
+def pagefleet_on_gpu_node(
+    fake_autoscaling_cluster: FakeAutoscalingCluster,
+) -> Iterator[RunningCluster]:
+    """pagefleet, started once its worker has loaded on the node launched for it."""
+    config = small_cluster_config(workers=1)
+    config = config.replace(pools=(config.pools[0].replace(num_gpus_per_worker=1),))
+    running = start_cluster(
+        config, grpc_port=0, metrics_port=None, ready_timeout_s=LAUNCH_TIMEOUT_S + 120
+    )
     yield running
     with contextlib.suppress(RayActorError):  # the node-removal test shut it down already
         running.shutdown()
 
 
-def test_a_gpu_request_launches_a_node_of_the_gpu_type(
+@pytest.fixture(scope="module")
+def gpu_node(
+    fake_autoscaling_cluster: FakeAutoscalingCluster, pagefleet_on_gpu_node: RunningCluster
+) -> dict[str, Any]:
+    """The node the autoscaler launched for the worker's GPU."""
+    (node,) = fake_autoscaling_cluster.gpu_nodes()
+    return node
+
+
+def test_a_worker_asking_for_a_gpu_launches_a_node_of_the_gpu_type(
     fake_autoscaling_cluster: FakeAutoscalingCluster, gpu_node: dict[str, Any]
 ) -> None:
     assert {k: gpu_node["Resources"][k] for k in GPU_NODE_RESOURCES} == GPU_NODE_RESOURCES
     # The monitor writes its log lines as it goes: the node may be up before the line is.
     launched = f"Launching 1 nodes, type {GPU_NODE_TYPE}."
-    wait_for(lambda: launched in fake_autoscaling_cluster.monitor_log(), 30, "the monitor's launch line", 0.5)
+    wait_for(
+        lambda: launched in fake_autoscaling_cluster.monitor_log(),
+        30,
+        "the monitor's launch line",
+        0.5,
+    )
 
 
-def test_a_pagefleet_worker_runs_on_the_launched_node_and_serves(
+def test_the_worker_runs_on_the_launched_node_and_serves(
     gpu_node: dict[str, Any], pagefleet_on_gpu_node: RunningCluster
 ) -> None:
     target = pagefleet_on_gpu_node.grpc_target
@@ -85,12 +95,11 @@ def test_a_pagefleet_worker_runs_on_the_launched_node_and_serves(
     wait_until_no_block_leaked(pagefleet_on_gpu_node.workers["default"])
 
 
-def test_the_node_goes_once_the_request_is_withdrawn_and_the_worker_removed(
+def test_the_node_goes_once_the_worker_is_removed(
     fake_autoscaling_cluster: FakeAutoscalingCluster,
     gpu_node: dict[str, Any],
     pagefleet_on_gpu_node: RunningCluster,
 ) -> None:
-    request_resources(bundles=[])
     pagefleet_on_gpu_node.shutdown()
     fake_autoscaling_cluster.wait_for_nodes(1, IDLE_TIMEOUT_S + 120)
     assert fake_autoscaling_cluster.gpu_nodes() == []
