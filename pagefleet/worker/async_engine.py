@@ -26,8 +26,8 @@ import torch
 
 from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import BlockClaims, LLMEngine, RequestError
-from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.events import RequestLoad
+from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
