@@ -28,6 +28,7 @@ from pagefleet.cluster.api import (
     api_key_from_metadata,
     request_id_or_new,
     sampling_params,
+    structured_output,
 )
 from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.errors import WIRE_STATUS, InvalidArgument
@@ -72,6 +73,12 @@ def request_from_proto(msg: pb.GenerateRequest) -> Submission:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias),
+        structured=structured_output(
+            json_schema=s.json_schema or None,
+            json_object=s.json_object,
+            regex=s.regex or None,
+            choice=tuple(s.choice) or None,
+        ),
     )
     return Submission(
         target=Target(msg.pool, adapter=msg.adapter),
