@@ -198,3 +198,19 @@ def test_a_forked_matcher_goes_its_own_way(tiny: Grammars) -> None:
     r, g = tokenizer.encode("r", add_special_tokens=False)[0], tokenizer.encode("g", add_special_tokens=False)[0]
     assert parent.accept(r) and child.accept(g)
     assert not parent.accept(g)
+
+
+def test_a_bounded_json_string_takes_no_raw_control_character_but_escapes(tiny: Grammars) -> None:
+    """xgrammar alone lets a raw control character into a string with maxLength
+    (which JSON parsers refuse); the grammar module closes that."""
+    tokenizer = build_tiny_tokenizer()
+    spec = StructuredOutput(json_schema={"type": "string", "maxLength": 5})
+
+    def accepts(text: str) -> bool:
+        matcher = tiny.matcher(spec)
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert not accepts('"a\x12')
+    assert not accepts('"a\n')
+    assert accepts('"a\\n\\"b"')
+    assert not accepts('"abcdef')

@@ -148,12 +148,12 @@ class Grammars:
 
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
     try:
-        if spec.json_schema is not None:
+        if spec.json_schema is not None or spec.json_object:
+            schema = spec.json_schema if spec.json_schema is not None else '{"type": "object"}'
             # Compact JSON (one space after ',' and ':'): a small model given free
             # whitespace can spend its whole budget on it.
-            return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
-        if spec.json_object:
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            return compiler.compile_grammar(_json_safe(str(grammar)))
         if spec.regex is not None:
             return compiler.compile_regex(spec.regex)
         assert spec.choice is not None
@@ -161,6 +161,23 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.Compi
         return compiler.compile_grammar(f"root ::= {alternatives}")
     except RuntimeError as exc:
         raise GrammarError(f"the {spec.kind} cannot be compiled: {_xgr_message(exc)}") from None
+
+
+# xgrammar 0.2.9 writes a string with minLength/maxLength as repetitions of this class,
+# which lets raw control characters (and no escapes) into the string: JSON parsers
+# refuse the result. Such a character is a JSON one: no control character, or an escape.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" pagefleet_json_escape))'
+_JSON_ESCAPE_RULE = (
+    r'pagefleet_json_escape ::= (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
+
+
+def _json_safe(ebnf: str) -> str:
+    """xgrammar's EBNF of a JSON schema, its bounded strings made JSON strings."""
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return ebnf
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR) + "\n" + _JSON_ESCAPE_RULE + "\n"
 
 
 def _ebnf_string(text: str) -> str:
