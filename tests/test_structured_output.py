@@ -15,6 +15,10 @@ import jsonschema
 import pytest
 from smollm2 import smollm2_dir
 
+from pagefleet.cluster.client import build_request
+from pagefleet.cluster.errors import InvalidArgument
+from pagefleet.cluster.grpc_server import request_from_proto
+from pagefleet.cluster.openai.protocol import parse_request
 from pagefleet.worker.chat import chat_prompt
 from pagefleet.worker.engine import LLMEngine, RequestError
 from pagefleet.worker.llm import LLM
@@ -224,3 +228,66 @@ def test_a_spec_that_cannot_compile_is_refused_and_the_engine_goes_on(
 def test_structured_must_be_a_structured_output() -> None:
     with pytest.raises(ValueError, match="structured must be a StructuredOutput or None, got dict"):
         SamplingParams(structured={"regex": "a"})  # type: ignore[arg-type]
+
+
+# ----- the fronts' parsing (no cluster) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         StructuredOutput(json_schema=SCHEMA)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutput(json_schema=SCHEMA)),
+        ({"structured_outputs": {"regex": "a+", "choice": None}}, StructuredOutput(regex="a+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput(choice=("a", "b"))),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput(json_object=True)),
+        ({"guided_json": SCHEMA}, StructuredOutput(json_schema=SCHEMA)),
+        ({"guided_regex": "a+"}, StructuredOutput(regex="a+")),
+        ({"guided_choice": ["a"]}, StructuredOutput(choice=("a",))),
+    ],
+)  # fmt: skip
+def test_openai_bodies_give_one_structured_output(fields: dict, expected: StructuredOutput | None) -> None:
+    for chat, base in ((False, {"prompt": "Hi"}), (True, {"messages": [{"role": "user", "content": "Hi"}]})):
+        assert parse_request({**base, **fields}, chat=chat).params.structured == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"response_format": {"type": "xml"}}, 'response_format must be {"type": "text"}'),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema must be an object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema is required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}},
+         "response_format.json_schema.extra is not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{"}}},
+         "json_schema is not valid JSON"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar is not supported"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs must set exactly one"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice is empty"),
+        ({"guided_choice": "a"}, "guided_choice must be a list of strings"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "set at most one of guided_regex, guided_choice"),
+        ({"guided_json": {"description": "x" * 70000}}, "at most 65536 bytes (64 KiB) are allowed"),
+    ],
+)  # fmt: skip
+def test_openai_bodies_with_a_bad_structured_output_are_refused_naming_it(fields: dict, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        parse_request({"prompt": "Hi", **fields}, chat=False)
+
+
+def test_grpc_sampling_fields_give_one_structured_output() -> None:
+    def parsed(**sampling: object) -> StructuredOutput | None:
+        return request_from_proto(build_request("Hi", sampling)).params.structured
+
+    assert parsed() is None
+    assert parsed(json_schema=SCHEMA) == StructuredOutput(json_schema=SCHEMA)
+    assert parsed(regex="a+") == StructuredOutput(regex="a+")
+    assert parsed(choice=["a", "b"]) == StructuredOutput(choice=("a", "b"))
+    assert parsed(json_object=True) == StructuredOutput(json_object=True)
+    with pytest.raises(InvalidArgument, match=r"takes exactly one of .*; got regex, choice"):
+        parsed(regex="a", choice=["a"])
+    with pytest.raises(InvalidArgument, match="json_schema is not valid JSON"):
+        parsed(json_schema="{")
