@@ -202,6 +202,34 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_output_so_far(tiny: LLM
     check(spec, whole.text)
 
 
+def test_a_request_handed_off_with_its_kv_blocks_continues_its_grammar() -> None:
+    """The migration path: the source exports the blocks and stops; the target imports
+    them and resumes from the output so far (as `RequestRun` sends it)."""
+    spec = StructuredOutput(json_schema=SCHEMA)
+    source, target = (LLM(model="tiny", block_size=4, num_kv_blocks=64) for _ in range(2))
+    prompt = source.tokenizer.encode(PROMPTS[1])
+    whole = LLM(model="tiny").generate(prompt, params(spec))[0]
+    assert whole.finish_reason == "stop"
+    source.engine.add_request("r", prompt, params(spec))
+    streamed: list[int] = []
+    while len(streamed) < 12:
+        for out in source.engine.step():
+            streamed.extend(out.new_token_ids)
+    exported = source.engine.export_kv("r")
+    source.engine.abort_request("r")
+    run_until_done(source.engine)
+    assert exported is not None
+    assert target.engine.import_kv(list(exported.block_hashes), exported.blocks) > 0
+    target.engine.add_request(
+        "r", prompt + streamed, params(spec, max_tokens=96 - len(streamed)),
+        num_resumed_tokens=len(streamed),
+    )  # fmt: skip
+    rest = run_until_done(target.engine)["r"]
+    assert streamed + rest == whole.token_ids
+    assert target.stats()["prefix_hit_tokens"] > 0
+    check(spec, whole.text)
+
+
 def test_resumed_tokens_the_grammar_refuses_are_a_request_error(tiny: LLM) -> None:
     prompt = tiny.tokenizer.encode("say it", add_special_tokens=False)
     with pytest.raises(RequestError, match="does not follow the choice grammar"):
