@@ -131,6 +131,7 @@ def test_a_schema_with_the_same_content_shares_the_key_whatever_its_spacing() ->
         (StructuredOutput(json_schema={"type": "objekt"}), 'json_schema cannot be compiled: Unsupported type "objekt"'),
         (StructuredOutput(json_schema={"$ref": "#/defs/x"}), "json_schema cannot be compiled: Cannot find field"),
         (StructuredOutput(regex="a(b"), "regex cannot be compiled: Regex parsing error at position 4"),
+        (StructuredOutput(regex=r"[^\s\S]"), "regex allows no output at all"),
     ],
 )
 def test_a_spec_xgrammar_cannot_compile_is_a_grammar_error_naming_the_problem(

@@ -117,6 +117,7 @@ class Grammars:
         compiler = self._grammar_compiler()
         # Outside the lock: another spec's lookup need not wait for this compile.
         compiled = _compile(compiler, spec)
+        _check_not_empty(compiled, spec)
         with self._lock:
             self.compiles += 1
             self._compiled[key] = compiled
@@ -161,6 +162,15 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.Compi
         return compiler.compile_grammar(f"root ::= {alternatives}")
     except RuntimeError as exc:
         raise GrammarError(f"the {spec.kind} cannot be compiled: {_xgr_message(exc)}") from None
+
+
+def _check_not_empty(compiled: xgr.CompiledGrammar, spec: StructuredOutput) -> None:
+    # A grammar that allows no first token (e.g. `{"anyOf": []}`) compiles; refused here,
+    # it is the client's error, not a request failing at its first step.
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise GrammarError(f"the {spec.kind} allows no output at all")
 
 
 # xgrammar 0.2.9 writes a string with minLength/maxLength as repetitions of this class,
