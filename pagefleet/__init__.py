@@ -1,6 +1,7 @@
 """pagefleet: serve LLMs from a Ray cluster with a paged KV cache.
 
-`from pagefleet import LLM, SamplingParams` is the offline API. The names are
+`from pagefleet import LLM, SamplingParams` is the offline API (`StructuredOutput`
+for `SamplingParams.structured`). The names are
 loaded lazily so that `import pagefleet.kernels` needs only torch and triton.
 """
 
@@ -9,17 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 if TYPE_CHECKING:
     from pagefleet.worker.llm import LLM
     from pagefleet.worker.outputs import RequestOutput
     from pagefleet.worker.sampling_params import SamplingParams
+    from pagefleet.worker.structured_output import StructuredOutput
 
 _LAZY = {
     "LLM": "pagefleet.worker.llm",
     "SamplingParams": "pagefleet.worker.sampling_params",
     "RequestOutput": "pagefleet.worker.outputs",
+    "StructuredOutput": "pagefleet.worker.structured_output",
 }
 
 

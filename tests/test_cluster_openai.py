@@ -181,7 +181,7 @@ def test_parse_refuses_penalties_outside_their_range_naming_the_limit(field: dic
         parse_request({"prompt": "Hello", **field}, chat=False)
 
 
-@pytest.mark.parametrize("field", ["reasoning_effort", "max_completion_tokens", "guided_json"])
+@pytest.mark.parametrize("field", ["reasoning_effort", "max_completion_tokens", "guided_grammar"])
 def test_parse_refuses_a_field_it_does_not_know_naming_it(field: str) -> None:
     with pytest.raises(IngressError, match=rf": {field} is not supported by this server on /v1/completions"):
         parse_request({"prompt": "Hello", field: 1}, chat=False)

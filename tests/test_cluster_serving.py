@@ -9,6 +9,7 @@ Tests that kill workers run last.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from pagefleet import LLM, SamplingParams
 from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.client import build_request, stream_generate
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
+from pagefleet.worker.structured_output import StructuredOutput
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -603,6 +605,32 @@ def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
     assert tokens_of(got) == want.token_ids
     assert got[-1].finish_reason == "length"
     assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
+    wait_for(
+        lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
+    )
+
+
+def test_a_structured_stream_resumed_after_its_worker_died_keeps_to_its_grammar(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    """The new worker rebuilds the matcher from the tokens streamed so far."""
+    regex = r"[a-z]{400}"  # longer than max_tokens allow: the stream runs to its end
+    prompt = "A worker dies mid-regex"
+    max_tokens = MAX_MODEL_LEN - 20
+    params = SamplingParams(max_tokens=max_tokens, structured=StructuredOutput(regex=regex))
+    want = offline.generate(prompt, params)[0]
+    channel, it = open_stream(target, prompt, max_tokens=max_tokens, regex=regex)
+    with channel:
+        got = [next(it)]
+        while not got[-1].token_ids:
+            got.append(next(it))
+        victim = got[-1].worker_id
+        ray.kill(cluster.worker_handle(victim), no_restart=False)
+        got += list(it)
+    assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
+    assert tokens_of(got) == want.token_ids
+    assert got[-1].finish_reason == want.finish_reason == "length"
+    assert re.fullmatch(r"[a-z]+", "".join(m.text for m in got))
     wait_for(
         lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
     )

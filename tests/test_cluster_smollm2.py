@@ -7,9 +7,12 @@ accepted), gRPC and HTTP on free ports.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import pytest
 from cluster_fixtures import generate
@@ -108,3 +111,101 @@ def test_grpc_logprobs_come_with_each_messages_tokens(cluster: RunningCluster) -
     entries = [e for m in messages for e in m.logprobs]
     assert [e.token_id for e in entries] == tokens and tokens
     assert all(len(e.top_logprobs) == 1 for e in entries)
+
+
+# ----- structured output ----------------------------------------------------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "country": {"type": "string", "maxLength": 16},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["city", "country", "population_millions"],
+}
+CITY = [{"role": "user", "content": "Describe the capital of France as JSON."}]
+
+
+def test_openai_client_json_schema_replies_parse_and_validate_under_sampling(
+    client: openai.OpenAI,
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    for seed in (0, 1, 2):
+        reply = client.chat.completions.create(
+            model="default", messages=CITY, temperature=0.8, seed=seed, max_tokens=96,  # type: ignore[arg-type]
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), CITY_SCHEMA)
+
+
+def test_openai_client_streams_a_json_object_that_parses(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="default", messages=CITY, temperature=0, max_tokens=96, stream=True,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)
+
+
+def test_completions_take_vllms_choice_and_regex_extensions(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0.8, seed=4,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
+    )  # fmt: skip
+    assert reply.choices[0].text in ("Paris", "Lyon", "Nice")
+    reply = client.completions.create(
+        model="default", prompt="A year:", max_tokens=8, temperature=0.8, seed=4,
+        extra_body={"guided_regex": r" ?[12][0-9]{3}"},
+    )  # fmt: skip
+    assert re.fullmatch(r" ?[12][0-9]{3}", reply.choices[0].text)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # Compiled on the worker: xgrammar's own words come back.
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+         'json_schema cannot be compiled: Unsupported type "objekt"'),
+        ({"structured_outputs": {"regex": "[a-"}}, "the regex cannot be compiled"),
+        # Checked at the front.
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice is empty"),
+        ({"guided_json": {"type": "string", "description": "x" * 70000}},
+         "at most 65536 bytes (64 KiB) are allowed"),
+    ],
+)  # fmt: skip
+def test_a_bad_structured_output_is_a_400_naming_it_and_the_server_goes_on(
+    client: openai.OpenAI, extra: dict, message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+        client.completions.create(model="default", prompt="Hi", max_tokens=4, extra_body=extra)
+    reply = client.completions.create(
+        model="default", prompt="Hi", max_tokens=4, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert reply.choices[0].text in ("yes", "no")
+
+
+def test_grpc_sampling_takes_a_json_schema_a_regex_and_a_choice(cluster: RunningCluster) -> None:
+    target = f"127.0.0.1:{cluster.grpc_port}"
+    jsonschema = pytest.importorskip("jsonschema")
+    prompt = "The capital of France as JSON:"
+    messages = generate(target, prompt, max_tokens=96, temperature=0.8, seed=1, json_schema=CITY_SCHEMA)
+    assert messages[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(m.text for m in messages)), CITY_SCHEMA)
+    messages = generate(target, "A year:", max_tokens=8, temperature=0.8, regex=r" ?[12][0-9]{3}")
+    assert re.fullmatch(r" ?[12][0-9]{3}", "".join(m.text for m in messages))
+    messages = generate(target, "Yes or no?", max_tokens=8, choice=["yes", "no"])
+    assert "".join(m.text for m in messages) in ("yes", "no")
+
+
+def test_grpc_refuses_an_uncompilable_regex_with_invalid_argument(cluster: RunningCluster) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        generate(f"127.0.0.1:{cluster.grpc_port}", "Hi", max_tokens=4, regex="a(b")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the regex cannot be compiled: Regex parsing error" in (err.value.details() or "")

@@ -20,6 +20,7 @@ from pagefleet.cluster.errors import ErrorCode, IngressError, InvalidArgument
 from pagefleet.cluster.status import PoolStatus
 from pagefleet.cluster.tenancy import Target, Tenancy
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.structured_output import StructuredOutput
 
 # A client's request_id is echoed in every message and kept while the request runs.
 MAX_REQUEST_ID_CHARS = 256
@@ -55,6 +56,29 @@ def sampling_params(**fields: Any) -> SamplingParams:
     """
     try:
         return SamplingParams(**{name: value for name, value in fields.items() if value is not None})
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def structured_output(
+    *,
+    json_schema: Any = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Any = None,
+) -> StructuredOutput | None:
+    """The `StructuredOutput` of a wire request, None when it sets none of the fields.
+
+    Only the cheap checks run here (one kind, JSON that parses, the 64 KiB
+    bound); compiling is the worker's. A bad value is INVALID_ARGUMENT naming it.
+    """
+    if json_schema is None and not json_object and regex is None and choice is None:
+        return None
+    try:
+        return StructuredOutput(
+            json_schema=json_schema, json_object=json_object, regex=regex,
+            choice=None if choice is None else tuple(choice),
+        )  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(str(exc)) from exc
 
@@ -201,4 +225,5 @@ __all__ = [
     "sampling_params",
     "scoped_request_id",
     "session_id_from_metadata",
+    "structured_output",
 ]

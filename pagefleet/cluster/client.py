@@ -6,6 +6,7 @@ needs only grpcio and protobuf (no torch, no Ray).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "logit_bias",
 )
+# The structured-output fields of the wire message (`SamplingParams.structured` there).
+_STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "json_object")
 
 
 def sampling_to_proto(params: Any = None, **overrides: Any) -> pb.SamplingParams:
@@ -43,7 +46,10 @@ def sampling_to_proto(params: Any = None, **overrides: Any) -> pb.SamplingParams
     those attributes, or None; keyword overrides win.
     """
     values: dict[str, Any] = {}
-    for name in _SAMPLING_FIELDS:
+    structured = getattr(params, "structured", None)  # a StructuredOutput
+    if structured is not None:
+        values.update({name: getattr(structured, name) for name in _STRUCTURED_FIELDS})
+    for name in (*_SAMPLING_FIELDS, *_STRUCTURED_FIELDS):
         if isinstance(params, dict):
             if name in params:
                 values[name] = params[name]
@@ -54,7 +60,9 @@ def sampling_to_proto(params: Any = None, **overrides: Any) -> pb.SamplingParams
     for name, value in values.items():
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids"):
+        if name == "json_schema" and not isinstance(value, str):
+            msg.json_schema = json.dumps(value)  # a schema as a dict
+        elif name in ("stop", "stop_token_ids", "choice"):
             getattr(msg, name).extend([value] if isinstance(value, (str, int)) else value)
         elif name == "logit_bias":  # SamplingParams' (id, bias) pairs, or a mapping
             msg.logit_bias.update(dict(value))

@@ -29,6 +29,7 @@ from pagefleet.cluster.api import (
     request_id_or_new,
     sampling_params,
     session_id_from_metadata,
+    structured_output,
 )
 from pagefleet.cluster.drain import Drain
 from pagefleet.cluster.errors import WIRE_STATUS, InvalidArgument
@@ -73,6 +74,12 @@ def request_from_proto(msg: pb.GenerateRequest) -> Submission:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logit_bias=dict(s.logit_bias),
+        structured=structured_output(
+            json_schema=s.json_schema or None,
+            json_object=s.json_object,
+            regex=s.regex or None,
+            choice=tuple(s.choice) or None,
+        ),
     )
     return Submission(
         target=Target(msg.pool, adapter=msg.adapter),

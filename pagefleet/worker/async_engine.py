@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 import torch
 
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import BlockClaims, LLMEngine
+from pagefleet.worker.engine import BlockClaims, LLMEngine, RequestError
 from pagefleet.worker.events import RequestLoad
+from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
@@ -137,6 +138,13 @@ class AsyncEngine:
         Leaving the loop early or cancelling the task aborts the request.
         """
         self._check_alive()
+        if params.structured is not None:
+            # A new schema compiles in milliseconds to seconds: on a thread of its own, not on
+            # the event loop nor between the engine's steps (add_request then hits the cache).
+            try:
+                await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+            except GrammarError as exc:
+                raise RequestError(str(exc)) from None
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), params.n)
         added: asyncio.Future[None] = loop.create_future()

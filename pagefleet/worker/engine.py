@@ -25,6 +25,7 @@ from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.events import RequestLoad
+from pagefleet.worker.grammar import GrammarError, Grammars, TokenMatcher, mask_logits
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.kv_migration import ExportedKV, export_blocks, import_blocks
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
@@ -98,6 +99,8 @@ class LLMEngine:
         )
         self.scheduler = BatchScheduler(config, self.pool, self.kv, self.offload, self.lora)
         self.requests: dict[str, Request] = {}
+        # Structured output: xgrammar's tokenizer info is built on the first such request.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
         self._num_aborted = 0
@@ -160,6 +163,7 @@ class LLMEngine:
                 f"num_resumed_tokens must be in [0, {len(prompt_ids)}) for a prompt of "
                 f"{len(prompt_ids)} tokens, got {num_resumed_tokens}"
             )
+        matcher = self._matcher(params, prompt_ids[len(prompt_ids) - num_resumed_tokens :])
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -174,9 +178,20 @@ class LLMEngine:
             num_resumed_tokens=num_resumed_tokens,
         )
         seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(prompt_ids, params))
+        seq.matcher = matcher
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _matcher(self, params: SamplingParams, resumed: list[int]) -> TokenMatcher | None:
+        """The request's grammar matcher, having accepted the tokens an earlier attempt
+        generated (`resumed`); RequestError when the spec does not compile or they do not fit."""
+        if params.structured is None:
+            return None
+        try:
+            return self.grammars.matcher(params.structured, resumed)
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
 
     def _adapter_id(self, adapter: str | None) -> str | None:
         if adapter is None:
@@ -358,8 +373,9 @@ class LLMEngine:
             sampled.append(seq)
         if not sampled:
             return outputs
+        # Indexing copies the rows: the grammar masks them, the model's logits stay for logprobs.
         tokens = sample(
-            logits[rows],
+            mask_logits(logits[rows], [s.matcher for s in sampled]),
             [s.request.params for s in sampled],
             [s.generator for s in sampled],
             [_history(s) for s in sampled],
@@ -370,6 +386,10 @@ class LLMEngine:
                 continue  # a sibling completion's failure already ended it
             if token is None:
                 outputs.extend(self._fail_request(seq.request, "its logits are not finite (NaN or inf)"))
+                continue
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                # Only when the grammar allowed no token at all (the mask left nothing).
+                outputs.extend(self._fail_request(seq.request, f"its grammar rejected token {token}"))
                 continue
             self._append_token(seq, token)
             outputs.append(self._delta(seq))
@@ -438,6 +458,8 @@ class LLMEngine:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)
+        # Forked before the first sample: the parent's matcher has accepted only resumed tokens.
+        child.matcher = parent.matcher.fork() if parent.matcher is not None else None
         request.sequences.append(child)
         self.scheduler.add_running(child)
         return child
@@ -464,7 +486,9 @@ class LLMEngine:
         params = seq.request.params
         stop_text = seq.detokenizer.add_token(token) if seq.detokenizer is not None else False
         eos = not params.ignore_eos and token in self.eos_token_ids
-        if eos or token in params.stop_token_ids or stop_text:
+        # The grammar is complete and its end accepted: nothing else may follow.
+        done = seq.matcher is not None and seq.matcher.terminated
+        if eos or done or token in params.stop_token_ids or stop_text:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"

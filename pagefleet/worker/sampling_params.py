@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagefleet.worker.structured_output import StructuredOutput
+
 # Below this temperature sampling is greedy: dividing logits by a smaller number
 # overflows float32 (1e-39 or 1e-300 would turn every logit into inf), and the
 # distribution is argmax to within float32 rounding long before (vLLM uses the same).
@@ -57,6 +59,11 @@ class SamplingParams:
     there (OpenAI's definitions). After temperature, `min_p` drops the tokens
     whose probability is below `min_p` times the most likely one's. The
     neutral values (no bias, 1.0, 0.0, 0.0, 0.0) leave the logits as they are.
+
+    `structured` (a `StructuredOutput`: a JSON schema, any JSON object, a
+    regex or a choice list) restricts each step's tokens to those its grammar
+    allows; a completion that ends by itself then matches it (finish_reason
+    "stop"). Every completion of `n` follows it on its own.
     """
 
     max_tokens: int = 16
@@ -74,6 +81,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; stored as tuples so the object stays hashable.
@@ -125,6 +133,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         self._check_penalties()
         self._check_logit_bias()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                f"structured must be a StructuredOutput or None, got {type(self.structured).__name__}"
+            )
 
     def _check_penalties(self) -> None:
         if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):

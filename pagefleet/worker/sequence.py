@@ -22,6 +22,7 @@ from pagefleet.worker.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagefleet.worker.block_table import BlockTable
     from pagefleet.worker.detokenizer import IncrementalDetokenizer
+    from pagefleet.worker.grammar import TokenMatcher
     from pagefleet.worker.outputs import TokenLogprob
 
 
@@ -106,6 +107,9 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = (
             [] if request.params.logprobs is not None else None
         )
+        # With structured output: the grammar state after this sequence's output tokens
+        # (accepted once each as sampled; a recompute does not sample them again).
+        self.matcher: TokenMatcher | None = None
         self.generator: torch.Generator | None = None
         if not request.params.greedy:
             # A private generator per sequence: its draws do not depend on batch mates.

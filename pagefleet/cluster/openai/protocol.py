@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagefleet.cluster.api import sampling_params
+from pagefleet.cluster.api import sampling_params, structured_output
 from pagefleet.cluster.errors import InvalidArgument
 from pagefleet.worker.chat import ChatTemplateError
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.structured_output import StructuredOutput
 
 # OpenAI's documented default; pass temperature 0 for greedy decoding.
 DEFAULT_TEMPERATURE = 1.0
@@ -41,7 +42,6 @@ _UNSUPPORTED = {
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
 }
 
 # Accepted and without effect: OpenAI's label of the end user.
@@ -99,6 +99,13 @@ class _Body(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: Any = None
     user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (at most one of them; see `structured_of`).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
 
     chat: ClassVar[bool] = False
 
@@ -194,6 +201,7 @@ class _Body(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
+            structured=structured_of(self),
         )
 
 
@@ -260,6 +268,130 @@ class ChatCompletionRequest(_Body):
     def _logprobs(self) -> int | None:
         # Chat asks with `logprobs: true` and `top_logprobs: k` alternatives.
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# The keys of vLLM's `structured_outputs` this server implements; the others
+# (grammar, structural_tag, whitespace_pattern, ...) are refused by name.
+_STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                            "json_object": "json_object"}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def structured_of(body: _Body) -> StructuredOutput | None:
+    """The body's structured output (None: free text); InvalidArgument naming the field.
+
+    `response_format` `{"type": "json_schema", "json_schema": {"schema": ...}}`
+    or `{"type": "json_object"}` (`{"type": "text"}`: none); vLLM's
+    `structured_outputs` `{"json" | "regex" | "choice" | "json_object": ...}`;
+    vLLM's older `guided_json`, `guided_regex`, `guided_choice`.
+    """
+    sources = [
+        name
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice")
+        if getattr(body, name) is not None
+    ]  # fmt: skip
+    if sources and sources[0] == "response_format" and _is_text_format(body.response_format):
+        sources.pop(0)
+    if len(sources) > 1:
+        raise InvalidArgument(
+            f"set at most one of {', '.join(sources)}: a request has one structured output"
+        )
+    if not sources:
+        return None
+    if sources[0] == "response_format":
+        return _response_format(body.response_format)
+    if sources[0] == "structured_outputs":
+        return _structured_outputs(body.structured_outputs)
+    if body.guided_json is not None:
+        return structured_output(json_schema=_schema_field("guided_json", body.guided_json))
+    if body.guided_regex is not None:
+        if not isinstance(body.guided_regex, str):
+            raise InvalidArgument(f"guided_regex must be a string, got {body.guided_regex!r}")
+        return structured_output(regex=body.guided_regex)
+    return structured_output(choice=_choice_field("guided_choice", body.guided_choice))
+
+
+def _is_text_format(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("type") == "text" and set(value) == {"type"}
+
+
+def _response_format(value: Any) -> StructuredOutput | None:
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "json_object" and set(value) == {"type"}:
+        return structured_output(json_object=True)
+    if kind == "json_schema":
+        extra = sorted(set(value) - {"type", "json_schema"})
+        if extra:
+            raise InvalidArgument(f"response_format.{extra[0]} is not supported")
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument(
+                'response_format.json_schema must be an object {"name": ..., "schema": {...}}'
+            )
+        unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+        if unknown:
+            raise InvalidArgument(f"response_format.json_schema.{unknown[0]} is not supported")
+        if "schema" not in spec:
+            raise InvalidArgument("response_format.json_schema.schema is required")
+        if not isinstance(spec.get("name", ""), str):
+            raise InvalidArgument("response_format.json_schema.name must be a string")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise InvalidArgument("response_format.json_schema.strict must be a boolean")
+        return structured_output(
+            json_schema=_schema_field("response_format.json_schema.schema", spec["schema"])
+        )
+    if kind in ("text", "json_object"):
+        raise InvalidArgument(f'response_format {{"type": "{kind}"}} takes no other field')
+    raise InvalidArgument(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        f'{{"type": "json_schema", "json_schema": {{...}}}}, got {value!r}'
+    )
+
+
+def _structured_outputs(value: Any) -> StructuredOutput | None:
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"structured_outputs must be an object, got {value!r}")
+    # vLLM's clients send the unused keys as null or false.
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(_STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise InvalidArgument(
+            f"structured_outputs.{unknown[0]} is not supported by this server "
+            f"(supported: {', '.join(_STRUCTURED_OUTPUTS_KEYS)})"
+        )
+    if len(given) != 1:
+        raise InvalidArgument(
+            "structured_outputs must set exactly one of "
+            f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}, got {sorted(given) or 'none'}"
+        )
+    (key, raw), = given.items()
+    if key == "json":
+        return structured_output(json_schema=_schema_field("structured_outputs.json", raw))
+    if key == "regex":
+        if not isinstance(raw, str):
+            raise InvalidArgument(f"structured_outputs.regex must be a string, got {raw!r}")
+        return structured_output(regex=raw)
+    if key == "choice":
+        return structured_output(choice=_choice_field("structured_outputs.choice", raw))
+    if raw is not True:
+        raise InvalidArgument(f"structured_outputs.json_object must be true, got {raw!r}")
+    return structured_output(json_object=True)
+
+
+def _schema_field(name: str, raw: Any) -> Any:
+    """A JSON schema as clients send it: an object, or its JSON text."""
+    if not isinstance(raw, (Mapping, str)):
+        raise InvalidArgument(f"{name} must be a JSON schema object, got {raw!r}")
+    return dict(raw) if isinstance(raw, Mapping) else raw
+
+
+def _choice_field(name: str, raw: Any) -> list[str]:
+    if not isinstance(raw, list) or not all(isinstance(c, str) for c in raw):
+        raise InvalidArgument(f"{name} must be a list of strings, got {raw!r}")
+    if not raw:
+        raise InvalidArgument(f"{name} is empty: at least one string is required")
+    return raw
 
 
 def _message_of(i: int, msg: Any) -> dict[str, str]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fpagefleet.proto\x12\x0cpagefleet.v1\"\xa4\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.pagefleet.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0c\n\x04pool\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pagefleet.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1d\n\rStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\xa3\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x13\n\x0blive_blocks\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_live_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x10\n\x08hit_rate\x18\r \x01(\x01\x12\x17\n\x0frequests_routed\x18\x0e \x01(\x03\x12\x0f\n\x07node_id\x18\x0f \x01(\t\x12\x16\n\x0emigrations_out\x18\x10 \x01(\x03\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x0f\n\x07node_ip\x18\x12 \x01(\t\x12\x19\n\x11resident_adapters\x18\x13 \x03(\t\"\xf2\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rrouter_policy\x18\x03 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x13\n\x0blive_blocks\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_live_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x10\n\x08hit_rate\x18\x0b \x01(\x01\x12\x14\n\x0clive_workers\x18\x0c \x01(\x05\x12+\n\x07workers\x18\r \x03(\x0b\x32\x1a.pagefleet.v1.WorkerStatus\x12\x12\n\nmigrations\x18\x0e \x01(\x03\x12\x16\n\x0etarget_workers\x18\x0f \x01(\x05\x12\x14\n\x0cscale_reason\x18\x10 \x01(\t\"9\n\x0eStatusResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.pagefleet.v1.PoolStatus2\xe3\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pagefleet.v1.AbortRequest\x1a\x1b.pagefleet.v1.AbortResponse\x12\x46\n\tGetStatus\x12\x1b.pagefleet.v1.StatusRequest\x1a\x1c.pagefleet.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fpagefleet.proto\x12\x0cpagefleet.v1\"\xed\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.pagefleet.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\r\n\x05regex\x18\x10 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x11 \x03(\t\x12\x13\n\x0bjson_object\x18\x12 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0c\n\x04pool\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.pagefleet.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x1d\n\rStatusRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"\xa3\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x13\n\x0blive_blocks\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_live_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x03\x12\x10\n\x08hit_rate\x18\r \x01(\x01\x12\x17\n\x0frequests_routed\x18\x0e \x01(\x03\x12\x0f\n\x07node_id\x18\x0f \x01(\t\x12\x16\n\x0emigrations_out\x18\x10 \x01(\x03\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x0f\n\x07node_ip\x18\x12 \x01(\t\x12\x19\n\x11resident_adapters\x18\x13 \x03(\t\"\xf2\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rrouter_policy\x18\x03 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x13\n\x0blive_blocks\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_live_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x10\n\x08hit_rate\x18\x0b \x01(\x01\x12\x14\n\x0clive_workers\x18\x0c \x01(\x05\x12+\n\x07workers\x18\r \x03(\x0b\x32\x1a.pagefleet.v1.WorkerStatus\x12\x12\n\nmigrations\x18\x0e \x01(\x03\x12\x16\n\x0etarget_workers\x18\x0f \x01(\x05\x12\x14\n\x0cscale_reason\x18\x10 \x01(\t\"9\n\x0eStatusResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.pagefleet.v1.PoolStatus2\xe3\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pagefleet.v1.AbortRequest\x1a\x1b.pagefleet.v1.AbortResponse\x12\x46\n\tGetStatus\x12\x1b.pagefleet.v1.StatusRequest\x1a\x1c.pagefleet.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=34
-  _globals['_SAMPLINGPARAMS']._serialized_end=454
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=384
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=432
-  _globals['_GENERATEREQUEST']._serialized_start=457
-  _globals['_GENERATEREQUEST']._serialized_end=633
-  _globals['_USAGE']._serialized_start=635
-  _globals['_USAGE']._serialized_end=715
-  _globals['_TOPLOGPROB']._serialized_start=717
-  _globals['_TOPLOGPROB']._serialized_end=764
-  _globals['_TOKENLOGPROB']._serialized_start=766
-  _globals['_TOKENLOGPROB']._serialized_end=863
-  _globals['_GENERATERESPONSE']._serialized_start=866
-  _globals['_GENERATERESPONSE']._serialized_end=1061
-  _globals['_ABORTREQUEST']._serialized_start=1063
-  _globals['_ABORTREQUEST']._serialized_end=1097
-  _globals['_ABORTRESPONSE']._serialized_start=1099
-  _globals['_ABORTRESPONSE']._serialized_end=1129
-  _globals['_STATUSREQUEST']._serialized_start=1131
-  _globals['_STATUSREQUEST']._serialized_end=1160
-  _globals['_WORKERSTATUS']._serialized_start=1163
-  _globals['_WORKERSTATUS']._serialized_end=1582
-  _globals['_POOLSTATUS']._serialized_start=1585
-  _globals['_POOLSTATUS']._serialized_end=1955
-  _globals['_STATUSRESPONSE']._serialized_start=1957
-  _globals['_STATUSRESPONSE']._serialized_end=2014
-  _globals['_GENERATION']._serialized_start=2017
-  _globals['_GENERATION']._serialized_end=2244
+  _globals['_SAMPLINGPARAMS']._serialized_end=527
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=457
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=505
+  _globals['_GENERATEREQUEST']._serialized_start=530
+  _globals['_GENERATEREQUEST']._serialized_end=706
+  _globals['_USAGE']._serialized_start=708
+  _globals['_USAGE']._serialized_end=788
+  _globals['_TOPLOGPROB']._serialized_start=790
+  _globals['_TOPLOGPROB']._serialized_end=837
+  _globals['_TOKENLOGPROB']._serialized_start=839
+  _globals['_TOKENLOGPROB']._serialized_end=936
+  _globals['_GENERATERESPONSE']._serialized_start=939
+  _globals['_GENERATERESPONSE']._serialized_end=1134
+  _globals['_ABORTREQUEST']._serialized_start=1136
+  _globals['_ABORTREQUEST']._serialized_end=1170
+  _globals['_ABORTRESPONSE']._serialized_start=1172
+  _globals['_ABORTRESPONSE']._serialized_end=1202
+  _globals['_STATUSREQUEST']._serialized_start=1204
+  _globals['_STATUSREQUEST']._serialized_end=1233
+  _globals['_WORKERSTATUS']._serialized_start=1236
+  _globals['_WORKERSTATUS']._serialized_end=1655
+  _globals['_POOLSTATUS']._serialized_start=1658
+  _globals['_POOLSTATUS']._serialized_end=2028
+  _globals['_STATUSRESPONSE']._serialized_start=2030
+  _globals['_STATUSRESPONSE']._serialized_end=2087
+  _globals['_GENERATION']._serialized_start=2090
+  _globals['_GENERATION']._serialized_end=2317
 # @@protoc_insertion_point(module_scope)

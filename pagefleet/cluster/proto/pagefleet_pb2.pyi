@@ -10,13 +10,17 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
     __slots__ = (
+        "choice",
         "frequency_penalty",
         "ignore_eos",
+        "json_object",
+        "json_schema",
         "logit_bias",
         "logprobs",
         "max_tokens",
         "min_p",
         "presence_penalty",
+        "regex",
         "repetition_penalty",
         "seed",
         "stop",
@@ -47,6 +51,10 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -61,6 +69,10 @@ class SamplingParams(_message.Message):
     presence_penalty: float
     frequency_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
+    json_schema: str
+    regex: str
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    json_object: bool
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -77,6 +89,10 @@ class SamplingParams(_message.Message):
         presence_penalty: float | None = ...,
         frequency_penalty: float | None = ...,
         logit_bias: _Mapping[int, float] | None = ...,
+        json_schema: str | None = ...,
+        regex: str | None = ...,
+        choice: _Iterable[str] | None = ...,
+        json_object: bool | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
