@@ -263,6 +263,7 @@ class Redis:
 def redis_server(timeout_s: float = 30.0) -> Iterator[Redis]:
     """A `redis-server` on a free port of 127.0.0.1, in a temp dir, saving nothing;
     killed (by pid) and its dir removed however the block ends."""
+    assert shutil.which("redis-server"), "no redis-server: the README's test command installs it (apt)"
     port = free_port()
     work = tempfile.mkdtemp(prefix="pfredis", dir="/tmp")
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", work,

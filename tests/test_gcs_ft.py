@@ -45,13 +45,14 @@ from cluster_fixtures import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray._private.state import actors as actors_in_gcs
 from ray_nodes import RayNodes, ray_nodes, redis_server
-from serve_process import ServeProcess, free_port, serving
+from serve_process import ServeProcess, free_port, other_ray_head, serving
 
 from pagefleet.cluster.config import ClusterConfig, ConfigError
 from pagefleet.cluster.gcs_watch import (
     GIVE_UP_MARGIN_S,
     PROBES_LOST,
     GcsWatch,
+    gcs_storage,
     ray_reconnect_timeout_s,
     tolerance_s,
 )
@@ -133,6 +134,23 @@ def test_a_local_start_with_gcs_fault_tolerance_is_refused_before_ray(tmp_path: 
         assert "Ray" not in server.log.replace(line, "")
     finally:
         server.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_fault_tolerance_on_a_head_that_keeps_its_gcs_in_memory_is_refused_at_start(tmp_path: Path) -> None:
+    config = _write_config(tmp_path / "cluster.yaml", fault_tolerant=True)
+    with other_ray_head() as address:  # a plain `ray start --head`: no Redis
+        args = ["--config", str(config), "--address", address, "--metrics-port", "-1"]
+        server = ServeProcess(args, tmp_path / "serve.log")
+        try:
+            assert server.wait_exit(120) == 2, server.log[-4000:]
+            [line] = server.error_lines()
+            assert "server.gcs_fault_tolerance is set, but the Ray GCS at" in line, line
+            assert "keeps its tables in memory: start its head with RAY_REDIS_ADDRESS" in line, line
+            server.assert_nothing_left()
+        finally:
+            server.close()
 
 
 # the cluster's GCS restarts under running streams ---------------------------------------------
@@ -263,9 +281,17 @@ def test_new_requests_after_the_gcs_is_back_succeed(outage: Outage) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.slow
+def test_the_restarted_gcs_still_knows_its_storage_is_redis(outage: Outage) -> None:
+    outage.nodes.init(NAMESPACE)  # a new driver joins the restarted GCS
+    assert gcs_storage() == "redis"  # what `start_cluster` checks against the config
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
 def test_no_kv_block_leaks_on_any_worker(outage: Outage) -> None:
-    # Joining now also shows the restarted GCS kept the cluster: the named workers resolve.
-    outage.nodes.init(NAMESPACE)
+    # The restarted GCS kept the cluster's tables: the named workers still resolve.
+    if not ray.is_initialized():
+        outage.nodes.init(NAMESPACE)
     workers = [w.worker_id for w in pool_status(outage.target).workers]
     assert len(workers) == POOL["workers"]
     handles = [(wid, ray.get_actor(worker_actor_name(wid), namespace=NAMESPACE)) for wid in workers]
