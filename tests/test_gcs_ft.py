@@ -266,6 +266,10 @@ def test_health_stays_serving_while_the_gcs_restarts(outage: Outage) -> None:
     assert [h for h in outage.health if h[1:] != (serving_, 200)] == []
     assert outage.server.proc.poll() is None, outage.server.log[-4000:]
     assert outage.server.error_lines() == []
+    # `pagefleet serve` saw the GCS go and come back, and waited instead of stopping.
+    tolerated = tolerance_s(ray_reconnect_timeout_s())  # serve's environment is this process's
+    assert f"the Ray GCS does not answer: serving on for up to {tolerated:.0f}s" in outage.server.log
+    assert "the Ray GCS answers again after" in outage.server.log
 
 
 @pytest.mark.cluster
