@@ -82,23 +82,26 @@ class GcsWatch:
         self.tolerate_s = tolerance_s(ray_reconnect_timeout_s()) if tolerate_s is None else tolerate_s
         self._clock = clock
         self._unanswered = 0
-        self._away_since: float | None = None  # first unanswered probe of the current outage
+        # Ray counts its reconnect timeout from the GCS's last sign of life, so the outage
+        # is measured from the last answer too (the GCS answered `ray.init` before this).
+        self._last_answer = clock()
+        self._away = False
 
     @property
     def away_s(self) -> float:
-        """Seconds since the first unanswered probe of the current outage (0 while it answers)."""
-        return 0.0 if self._away_since is None else self._clock() - self._away_since
+        """Seconds since the GCS last answered, while it does not (0 while it answers)."""
+        return self._clock() - self._last_answer if self._away else 0.0
 
     def observe(self, answered: bool) -> str | None:
         """Count one probe's answer; why the GCS is lost for good, or None."""
         if answered:
-            if self._away_since is not None and self.fault_tolerant:
+            if self._away and self.fault_tolerant:
                 logger.warning("the Ray GCS answers again after %.1fs: serving as before", self.away_s)
-            self._unanswered, self._away_since = 0, None
+            self._unanswered, self._away, self._last_answer = 0, False, self._clock()
             return None
         self._unanswered += 1
-        if self._away_since is None:
-            self._away_since = self._clock()
+        if not self._away:
+            self._away = True
             if self.fault_tolerant:
                 logger.warning(
                     "the Ray GCS does not answer: serving on for up to %.0fs while it restarts "
