@@ -258,7 +258,10 @@ def check_gcs_storage(config: ClusterConfig) -> None:
     storage = gcs_storage()
     address = ray.get_runtime_context().gcs_address
     if storage is None:
-        return  # not recorded: trust the config
+        if config.server.gcs_fault_tolerance:
+            logger.warning("the Ray GCS at %s did not say where it keeps its tables: trusting "
+                           "server.gcs_fault_tolerance", address)  # fmt: skip
+        return
     if config.server.gcs_fault_tolerance and storage not in FAULT_TOLERANT_STORAGE:
         raise StartError(
             f"server.gcs_fault_tolerance is set, but the Ray GCS at {address} keeps its tables in "
