@@ -12,6 +12,13 @@ processes this cluster started, by pid (never `ray stop`, which ends every Ray
 on the host), and Ray's address file, which a later bare `ray.init()` would
 join, is put back as it was. Token auth is off for the cluster and for the
 test process that joins it (`RAY_AUTH_MODE=disabled`).
+
+GCS fault tolerance: `redis_server()` runs a private `redis-server` (a free
+port, a temp dir, nothing saved), and `RayNodes(env={"RAY_REDIS_ADDRESS":
+redis.address})` starts the head on it. `kill_gcs()` SIGKILLs the head's
+`gcs_server` and returns what restarts it: its command line, working directory
+and environment, read from /proc before the kill (in KubeRay the head pod
+restarts; here `start_gcs` starts the same process again).
 """
 
 from __future__ import annotations
@@ -63,14 +70,16 @@ class Node:
 class RayNodes:
     """A head and any number of nodes, all on 127.0.0.1; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """`env`: more environment for every `ray start` (the head's `RAY_REDIS_ADDRESS`)."""
         # Short: Ray's socket paths live under it and must stay below 108 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="pfray", dir="/tmp")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECK}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECK, **(env or {})}
         self.head: Node | None = None
         self.nodes: list[Node] = []
+        self._restarted: list[subprocess.Popen[bytes]] = []  # GCS processes start_gcs started
         self._address_file = ADDRESS_FILE.read_text() if ADDRESS_FILE.exists() else None
         self._auth_mode = os.environ.get("RAY_AUTH_MODE")
 
@@ -138,6 +147,38 @@ class RayNodes:
                 os.kill(victim, signal.SIGKILL)
         self.nodes.remove(node)
 
+    def gcs_pid(self) -> int | None:
+        """The pid of this cluster's `gcs_server`, None while there is none."""
+        for pid, argv in _processes():
+            if argv and argv[0].endswith("/gcs_server") and any(self.temp_dir in a for a in argv):
+                return pid
+        return None
+
+    def kill_gcs(self) -> GcsCommand:
+        """SIGKILL the head's GCS; returns how to start it again (`start_gcs`)."""
+        pid = self.gcs_pid()
+        assert pid is not None, "no gcs_server of this cluster runs"
+        proc = Path(f"/proc/{pid}")
+        argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+        environ = dict(
+            entry.decode().partition("=")[::2] for entry in (proc / "environ").read_bytes().split(b"\0") if entry
+        )
+        command = GcsCommand(argv, os.readlink(proc / "cwd"), environ, pid)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return command
+
+    def start_gcs(self, command: GcsCommand) -> int:
+        """Start the GCS again as `kill_gcs` found it (it logs to its own files); its pid."""
+        gcs = subprocess.Popen(
+            command.argv, cwd=command.cwd, env=command.environ, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self._restarted.append(gcs)
+        return gcs.pid
+
     def init(self, namespace: str) -> None:
         """Join the cluster from this process (without a token, as the cluster runs)."""
         self._auth_mode = os.environ.get("RAY_AUTH_MODE")
@@ -157,6 +198,9 @@ class RayNodes:
         else:
             os.environ["RAY_AUTH_MODE"] = self._auth_mode
         self._kill_mine()
+        for gcs in self._restarted:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                gcs.wait(timeout=30)  # killed above (it runs under the temp dir): reap it
         with contextlib.suppress(FileNotFoundError):
             # It names the head by its node IP: ours if it ends with our port.
             if ADDRESS_FILE.read_text().strip().endswith(f":{self.port}"):
@@ -186,14 +230,60 @@ class RayNodes:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
 
 
+@dataclass(frozen=True)
+class GcsCommand:
+    """How a killed `gcs_server` ran: enough to start it again the same way."""
+
+    argv: list[str]
+    cwd: str
+    environ: dict[str, str]
+    pid: int  # the killed process's
+
+
 @contextlib.contextmanager
-def ray_nodes() -> Iterator[RayNodes]:
-    """A `RayNodes` that is stopped however the block ends."""
-    nodes = RayNodes()
+def ray_nodes(env: dict[str, str] | None = None) -> Iterator[RayNodes]:
+    """A `RayNodes` (see its `env`) that is stopped however the block ends."""
+    nodes = RayNodes(env)
     try:
         yield nodes
     finally:
         nodes.stop()
+
+
+@dataclass(frozen=True)
+class Redis:
+    """A running private `redis-server`."""
+
+    address: str  # host:port, as RAY_REDIS_ADDRESS takes it
+    process: subprocess.Popen[bytes]
+    dir: str
+
+
+@contextlib.contextmanager
+def redis_server(timeout_s: float = 30.0) -> Iterator[Redis]:
+    """A `redis-server` on a free port of 127.0.0.1, in a temp dir, saving nothing;
+    killed (by pid) and its dir removed however the block ends."""
+    assert shutil.which("redis-server"), "no redis-server: the README's test command installs it (apt)"
+    port = free_port()
+    work = tempfile.mkdtemp(prefix="pfredis", dir="/tmp")
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", work,
+            "--save", "", "--appendonly", "no"]  # fmt: skip
+    with (Path(work) / "redis.log").open("w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, (Path(work) / "redis.log").read_text()
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, f"redis-server did not listen within {timeout_s}s"
+            time.sleep(0.05)
+        yield Redis(f"127.0.0.1:{port}", process, work)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _processes() -> Iterator[tuple[int, list[str]]]:
@@ -205,6 +295,14 @@ def _processes() -> Iterator[tuple[int, list[str]]]:
         except OSError:
             continue
         yield int(entry.name), [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _state(pid: int) -> str:
+    """The process's state letter ("Z" for a zombie), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _descendants(root: int) -> list[int]:

@@ -97,6 +97,7 @@ def test_rayservice_serves_the_serve_yaml_config_with_its_kubernetes_placement()
     args["ingress_resource"] = "pagefleet_ingress"
     args["ingress_replicas_per_node"] = 1
     args["config"]["pools"][0].update(device="cuda", num_gpus_per_worker=1)
+    args["config"]["server"]["gcs_fault_tolerance"] = True
     assert serve_config_v2() == expected
 
 
@@ -224,3 +225,12 @@ def test_rayservice_enables_gcs_fault_tolerance_with_the_redis_it_deploys() -> N
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     assert container["env"][0]["valueFrom"]["secretKeyRef"] == secret  # one password for both
     assert deployment["spec"]["selector"]["matchLabels"] == redis["spec"]["selector"]
+
+
+def test_rayservice_ingress_serves_through_a_gcs_restart_because_the_gcs_is_fault_tolerant() -> None:
+    # Without the config switch the ingress would turn NOT_SERVING as soon as the GCS
+    # stops answering; with it but no Redis, a restarted GCS would have lost the cluster.
+    assert rayservice()["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]["redisAddress"]
+    parsed = parse_args(serve_config_v2()["applications"][0]["args"])
+    assert parsed.config.server.gcs_fault_tolerance is True
+    assert load("serve.yaml")["applications"][0]["args"]["config"]["server"].get("gcs_fault_tolerance") is None

@@ -37,8 +37,8 @@ import ray
 from ray import serve
 
 from pagefleet.cluster.config import ClusterConfig
-from pagefleet.cluster.deployment import GCS_PROBES_LOST, IngressDeployment, ingress_options
-from pagefleet.cluster.gcs_watch import fault_tolerant, gcs_answers
+from pagefleet.cluster.deployment import IngressDeployment, ingress_options
+from pagefleet.cluster.gcs_watch import GcsWatch, gcs_answers, gcs_storage
 from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership
 from pagefleet.cluster.names import APP_NAME, HEAD_NODE_RESOURCE, INGRESS_NAME, NAMESPACE
 from pagefleet.scheduler.actor import start_scheduler
@@ -67,7 +67,7 @@ class RunningCluster:
     local_ray: bool = False  # ... and started that Ray itself (address None)
     ingress: Any = field(default=None, repr=False)
     http_port: int | None = None
-    _unanswered_probes: int = field(default=0, repr=False)
+    _gcs_watch: GcsWatch | None = field(default=None, repr=False)
     _gcs_lost: bool = field(default=False, repr=False)
 
     @property
@@ -106,25 +106,25 @@ class RunningCluster:
         return int(self.ingress.drain_and_stop.remote(timeout).result(timeout_s=timeout + 30))
 
     def lost_gcs(self) -> str | None:
-        """Why the cluster is gone for good: its GCS died without fault tolerance (one
-        line); None while the GCS answers, or may restart (`gcs_watch.fault_tolerant`)."""
-        if fault_tolerant():
-            return None
+        """Why the cluster is gone for good (one line), else None; call it every
+        `gcs_watch.PROBE_INTERVAL_S`. A Ray of our own is lost once its GCS process
+        exits (nothing restarts it). A joined cluster's GCS is probed: without
+        `server.gcs_fault_tolerance` it is lost after three unanswered probes, with it
+        only once it has been away for nearly Ray's reconnect timeout (`gcs_watch`)."""
         if self.local_ray:
             gcs = _local_gcs_process()
             if gcs is None or gcs.poll() is None:
                 return None
             self._gcs_lost = True
             return f"the Ray GCS this server started (pid {gcs.pid}) exited with code {gcs.returncode}"
-        if gcs_answers():
-            self._unanswered_probes = 0
-            return None
-        self._unanswered_probes += 1
-        if self._unanswered_probes < GCS_PROBES_LOST:
+        if self._gcs_watch is None:
+            self._gcs_watch = GcsWatch(fault_tolerant=self.config.server.gcs_fault_tolerance)
+        why = self._gcs_watch.observe(gcs_answers())
+        if why is None:
             return None
         self._gcs_lost = True
         address = ray.get_runtime_context().gcs_address
-        return f"lost the Ray GCS at {address} (no GCS fault tolerance: the cluster cannot recover)"
+        return f"lost the Ray GCS at {address} ({why})"
 
     def shutdown(self) -> None:
         """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
@@ -225,6 +225,7 @@ def start_cluster(
                 use_cluster_token()
                 joined_ray = True
                 ray.init(address=address, namespace=NAMESPACE)
+                check_gcs_storage(config)
             if threading.current_thread() is threading.main_thread():
                 # ray.init replaces the caller's SIGTERM handler with a bare sys.exit, which
                 # would skip the caller's drain.
@@ -243,6 +244,34 @@ def start_cluster(
                 serve.delete(APP_NAME)
             ray.shutdown()
         raise
+
+
+# What the head records as its GCS storage (`gcs_watch.gcs_storage`) when a restarted GCS
+# gets its tables back.
+FAULT_TOLERANT_STORAGE = ("redis", "rocksdb")
+
+
+def check_gcs_storage(config: ClusterConfig) -> None:
+    """On a joined cluster: refuse `server.gcs_fault_tolerance` when the head keeps the
+    GCS's tables in memory (a restarted GCS would have lost the cluster), and say so when
+    the head could survive a GCS restart but the config does not let the server wait."""
+    storage = gcs_storage()
+    address = ray.get_runtime_context().gcs_address
+    if storage is None:
+        if config.server.gcs_fault_tolerance:
+            logger.warning("the Ray GCS at %s did not say where it keeps its tables: trusting "
+                           "server.gcs_fault_tolerance", address)  # fmt: skip
+        return
+    if config.server.gcs_fault_tolerance and storage not in FAULT_TOLERANT_STORAGE:
+        raise StartError(
+            f"server.gcs_fault_tolerance is set, but the Ray GCS at {address} keeps its tables in "
+            f"{storage}: start its head with RAY_REDIS_ADDRESS (an external Redis)"
+        )
+    if not config.server.gcs_fault_tolerance and storage in FAULT_TOLERANT_STORAGE:
+        logger.warning(
+            "the Ray GCS at %s keeps its tables in %s, but server.gcs_fault_tolerance is off: "
+            "a lost GCS will still stop this server", address, storage,
+        )  # fmt: skip
 
 
 def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:

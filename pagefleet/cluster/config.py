@@ -550,6 +550,16 @@ class ServerConfig(Section):
     key, its own pools; without a key it says serving or not). `tls_cert_file` and
     `tls_key_file` (PEM, both or neither) turn on TLS for gRPC and HTTP.
 
+    `gcs_fault_tolerance`: the Ray cluster's GCS keeps its tables in an external
+    Redis (its head started with `RAY_REDIS_ADDRESS`; KubeRay's
+    `gcsFaultToleranceOptions`) and is restarted when it dies, so a lost GCS is a
+    pause: the ingress and `pagefleet serve` serve on for up to Ray's reconnect
+    timeout less 5 s (`RAY_gcs_rpc_server_reconnect_timeout_s`, default 60 s).
+    Without it (the default) a lost GCS is the cluster's end: health turns
+    NOT_SERVING within seconds and `pagefleet serve` exits 1. Needs a joined
+    cluster (`--address`, or a Serve application): nothing restarts the GCS of a
+    Ray that `pagefleet serve` starts itself.
+
     `ingress_replicas` Serve replicas of the ingress share these ports
     (SO_REUSEPORT). With `ingress_max_replicas` above it, Serve autoscales
     the ingress between the two on its open streams: about
@@ -577,6 +587,7 @@ class ServerConfig(Section):
     ingress_upscale_delay_s: Seconds = 10.0
     ingress_downscale_delay_s: Seconds = 300.0
     health_details: bool = False
+    gcs_fault_tolerance: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

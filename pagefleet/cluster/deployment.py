@@ -18,7 +18,7 @@ from ray import serve
 from pagefleet.cluster.autoscaling import STREAMS_METRIC, ingress_replica_options
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.drain import ABORT_GRACE_S, Drain
-from pagefleet.cluster.gcs_watch import fault_tolerant, watch_gcs
+from pagefleet.cluster.gcs_watch import GcsWatch, watch_gcs
 from pagefleet.cluster.grpc_server import start_grpc_server
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.membership import get_membership
@@ -26,9 +26,6 @@ from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.names import worker_actor_name
 from pagefleet.cluster.openai import HttpServer, start_http_server
 
-# A joined cluster's GCS is lost after this many probes in a row go unanswered (one
-# slow answer on a busy head is not a loss).
-GCS_PROBES_LOST = 3
 SCALING_POLL_S = 2.0  # how often a replica reads each pool's target and actual size
 
 logger = logging.getLogger(__name__)
@@ -87,10 +84,10 @@ class IngressDeployment:
             None if metrics_port is None else self.metrics.serve(metrics_port, config.server.metrics_host)
         )
         # Without GCS fault tolerance a lost GCS is the cluster's end: stop accepting at
-        # once (health NOT_SERVING) rather than answer "ok" while completions hang.
-        self._gcs_watch: asyncio.Task[None] | None = None
-        if not fault_tolerant():
-            self._gcs_watch = asyncio.ensure_future(watch_gcs(self.drain.start, lost_after=GCS_PROBES_LOST))
+        # once (health NOT_SERVING) rather than answer "ok" while completions hang. With
+        # it, serve on while the GCS restarts, up to just before Ray gives up on it.
+        watch = GcsWatch(fault_tolerant=config.server.gcs_fault_tolerance)
+        self._gcs_watch = asyncio.ensure_future(watch_gcs(self.drain.start, watch))
 
     async def _follow_scaling(self) -> None:
         """Every SCALING_POLL_S: each pool's target and actual size from `pagefleet-membership`
@@ -169,8 +166,7 @@ class IngressDeployment:
         return {STREAMS_METRIC: float(self.drain.in_flight)}
 
     async def __del__(self) -> None:
-        if self._gcs_watch is not None:
-            self._gcs_watch.cancel()
+        self._gcs_watch.cancel()
         self._scaling.cancel()
         # Serve stops a replica (scaling down, a redeploy, `serve delete`) through here,
         # within graceful_shutdown_timeout_s: drain as on SIGTERM, so its streams finish.

@@ -95,6 +95,12 @@ def check_serve(config: ClusterConfig, *, local: bool, metrics_port: int | None)
         raise CommandError(f"--metrics-port must be in [0, 65535] or -1 (disabled), got {metrics_port}")
     if not local:
         return
+    if config.server.gcs_fault_tolerance:
+        # Fault tolerance is a GCS that comes back; nothing restarts a local Ray's.
+        raise CommandError(
+            "server.gcs_fault_tolerance needs --address: a Ray head started with RAY_REDIS_ADDRESS "
+            "and restarted by its supervisor (the GCS of the Ray serve starts itself is not restarted)"
+        )
     for i, pool in enumerate(config.pools):
         problem = model_problem(str(pool.engine.model))
         if problem is None and pool.device == "cuda":
