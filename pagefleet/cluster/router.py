@@ -62,7 +62,7 @@ from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
-    from pagefleet.scheduler.state import WorkerDelta
+    from pagefleet.scheduler.messages import WorkerDelta
 
 
 class NoWorkerAvailable(RuntimeError):

@@ -28,8 +28,8 @@ from pagefleet.cluster.config import ClusterConfig, PoolConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
 from pagefleet.cluster.status import BLOCK_FIELDS, PoolStatus, WorkerStatus
+from pagefleet.scheduler.messages import WorkerDelta
 from pagefleet.scheduler.policy import Claim
-from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.events import LoadReport
 
 logger = logging.getLogger(__name__)
