@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pagefleet.scheduler.liveness import LifeSigns, Liveness, LivenessRule
 from pagefleet.scheduler.messages import AbortNote, ClusterView, ViewUpdate, WorkerDelta, WorkerView
 from pagefleet.scheduler.policy import (
     EvictionWatermarks,
@@ -83,37 +84,27 @@ class _Entry:
         "drift_blocks",
         "duplicated_at",
         "duplicated_sent",
-        "has_work",
         "hashes",
         "incarnation",
         "info",
         "kv_seq",
-        "last_seen",
         "offloaded",
-        "progress",
-        "progress_at",
-        "published_alive",
-        "published_stalled",
+        "published",
         "report",
+        "signs",
     )
 
     def __init__(self, info: WorkerInfo, now: float) -> None:
         self.info = info
         self.report: LoadReport | None = None
-        # Registration counts as a sign of life: a fresh worker is routable before its
-        # first report arrives.
-        self.last_seen = now
+        self.signs = LifeSigns(now)
+        self.published = Liveness.LIVE  # the verdict its latest delta carried
         self.incarnation: str | None = None
         self.kv_seq: int | None = None  # None: no consistent index yet, a snapshot is due
         self.hashes: set[bytes] = set()
         self.offloaded: set[bytes] = set()  # in the worker's offload tier (no pool copy counted)
         self.checked_at = now
         self.drift_blocks = 0
-        self.progress = 0
-        self.progress_at = now
-        self.has_work = False
-        self.published_alive = True
-        self.published_stalled = False
         self.draining = False  # being removed: out of routing, its streams finish
         # As the worker last heard it; a worker starts (and registers) with none.
         self.duplicated_sent: frozenset[bytes] = frozenset()
@@ -138,16 +129,11 @@ class ClusterState:
     ) -> None:
         """`session_pins`: how many session pins to keep per pool (the least recently
         used go first)."""
-        if not report_timeout_s > 0:
-            raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
-        if not stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.liveness = LivenessRule(report_timeout_s, stall_timeout_s)
         if not index_check_interval_s > 0:
             raise ValueError(f"index_check_interval_s must be > 0, got {index_check_interval_s}")
         if log_size < 1:
             raise ValueError(f"log_size must be >= 1, got {log_size}")
-        self.report_timeout_s = report_timeout_s
-        self.stall_timeout_s = stall_timeout_s
         self.index_check_interval_s = index_check_interval_s
         # None: no eviction ahead of need (workers still evict lazily on allocation).
         self.eviction = eviction
@@ -190,7 +176,7 @@ class ClusterState:
                     f"worker {info.worker_id!r} is registered in pool {entry.info.pool!r}, not {info.pool!r}"
                 )
             entry.info = info
-            entry.last_seen = now
+            entry.signs.heard(now)
             # A worker registers again after it restarted: its report seq starts over,
             # and its old report describes a process that is gone.
             entry.report = None
@@ -255,16 +241,12 @@ class ClusterState:
 
     def _take_report(self, entry: _Entry, report: LoadReport) -> None:
         now = self._clock()
-        entry.last_seen = now
+        entry.signs.heard(now)
         if not report.supersedes(entry.report):
             return
         restarted = entry.report is None or entry.report.incarnation != report.incarnation
-        # The stall clock runs only while the worker has work and its count of streamed
-        # tokens stands still; a fresh process or an idle spell restarts it.
-        if restarted or report.progress > entry.progress or not entry.has_work:
-            entry.progress_at = now
-        entry.progress = report.progress
-        entry.has_work = report.num_running + report.num_waiting > 0
+        has_work = report.num_running + report.num_waiting > 0
+        entry.signs.reported(now, report.progress, has_work, restarted)
         entry.report = report
 
     def _take_kv(
@@ -457,31 +439,27 @@ class ClusterState:
     # ----- liveness -------------------------------------------------------
 
     def is_alive(self, worker_id: str) -> bool:
-        """Registered, heard from within `report_timeout_s`, and not hung."""
+        """Registered and live by `LivenessRule`: heard from in time, and not hung."""
         entry = self._workers.get(worker_id)
-        return entry is not None and self._alive(entry, self._clock())
+        return entry is not None and self._judge(entry, self._clock()).alive
 
     def is_stalled(self, worker_id: str) -> bool:
         """Has work but streamed nothing for `stall_timeout_s` (KeyError if unknown)."""
-        return self._stalled(self._workers[worker_id], self._clock())
+        return self._judge(self._workers[worker_id], self._clock()).stalled
 
-    def _stalled(self, entry: _Entry, now: float) -> bool:
-        return entry.has_work and now - entry.progress_at > self.stall_timeout_s
-
-    def _alive(self, entry: _Entry, now: float) -> bool:
-        return now - entry.last_seen <= self.report_timeout_s and not self._stalled(entry, now)
+    def _judge(self, entry: _Entry, now: float) -> Liveness:
+        return self.liveness.judge(entry.signs, now)
 
     def _routable(self, entry: _Entry, now: float) -> bool:
         """Alive and not draining: may take new work (a request, a migration, a kept prefix)."""
-        return not entry.draining and self._alive(entry, now)
+        return not entry.draining and self._judge(entry, now).alive
 
     def tick(self) -> int:
         """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
         now = self._clock()
         changed = 0
         for entry in self._workers.values():
-            state = (self._alive(entry, now), self._stalled(entry, now))
-            if state != (entry.published_alive, entry.published_stalled):
+            if self._judge(entry, now) is not entry.published:
                 self._publish(entry)
                 changed += 1
         return changed
@@ -525,14 +503,14 @@ class ClusterState:
         now = self._clock()
         workers = tuple(
             WorkerView(
-                e.info, self._alive(e, now), e.report, e.last_seen, self._stalled(e, now),
-                len(e.hashes), e.drift_blocks, e.draining,
+                e.info, (verdict := self._judge(e, now)).alive, e.report, e.signs.last_seen,
+                verdict.stalled, len(e.hashes), e.drift_blocks, e.draining,
             )
             for e in self._workers.values()
         )
         queued: dict[str, int] = {}
         for rid, seen in self._replicas.items():
-            if now - seen <= self.report_timeout_s:  # a dead replica's queue died with it
+            if self.liveness.heard_in_time(seen, now):  # a dead replica's queue died with it
                 for pool, n in self._replica_queued.get(rid, {}).items():
                     queued[pool] = queued.get(pool, 0) + n
         return ClusterView(self.generation, self._version, workers, queued)
@@ -571,7 +549,7 @@ class ClusterState:
             return True
         now = self._clock()
         for rid, seen in self._replicas.items():
-            if rid == origin or now - seen > self.report_timeout_s:
+            if rid == origin or not self.liveness.heard_in_time(seen, now):
                 continue
             generation, cursor = self._replica_cursors.get(rid, (None, 0))
             if generation != self.generation or cursor < version:
@@ -597,7 +575,7 @@ class ClusterState:
             del self._replicas[rid]
             self._replica_cursors.pop(rid, None)
             self._replica_queued.pop(rid, None)
-        return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
+        return tuple(r for r, t in self._replicas.items() if not self.liveness.heard_in_time(t, now))
 
     def note_routed(self, replica_id: str, worker_id: str, hashes: tuple[bytes, ...]) -> bool:
         """Publish one routing decision of an ingress replica to the other replicas
@@ -607,8 +585,8 @@ class ClusterState:
             return False
         self._append(
             WorkerDelta(
-                entry.info, entry.published_alive, entry.report,
-                stalled=entry.published_stalled, drift_blocks=entry.drift_blocks,
+                entry.info, entry.published.alive, entry.report,
+                stalled=entry.published.stalled, drift_blocks=entry.drift_blocks,
                 routed=hashes, routed_by=replica_id, draining=entry.draining,
             )
         )
@@ -649,8 +627,9 @@ class ClusterState:
         now = self._clock()
         deltas = tuple(
             WorkerDelta(
-                e.info, self._alive(e, now), e.report, tuple(e.hashes), (), True, False,
-                self._stalled(e, now), e.drift_blocks, tuple(e.offloaded), draining=e.draining,
+                e.info, (verdict := self._judge(e, now)).alive, e.report, tuple(e.hashes), (),
+                True, False, verdict.stalled, e.drift_blocks, tuple(e.offloaded),
+                draining=e.draining,
             )
             for e in self._workers.values()
         )
@@ -664,14 +643,11 @@ class ClusterState:
         offload_stored: tuple[bytes, ...] = (),
         offload_removed: tuple[bytes, ...] = (),
     ) -> None:
-        now = self._clock()
-        alive = self._alive(entry, now)
-        entry.published_alive = alive
-        entry.published_stalled = self._stalled(entry, now)
+        verdict = entry.published = self._judge(entry, self._clock())
         self._append(
             WorkerDelta(
-                entry.info, alive, entry.report, stored, removed, False, False,
-                self._stalled(entry, now), entry.drift_blocks, offload_stored, offload_removed,
+                entry.info, verdict.alive, entry.report, stored, removed, False, False,
+                verdict.stalled, entry.drift_blocks, offload_stored, offload_removed,
                 draining=entry.draining,
             )
         )
