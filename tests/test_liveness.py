@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.scheduler.liveness import LifeSigns, Liveness, LivenessRule
+from pagefleet.scheduler.messages import WorkerDelta
+from pagefleet.worker.events import WorkerInfo
 
 RULE = LivenessRule(report_timeout_s=3.0, stall_timeout_s=2.0)
 
@@ -68,3 +70,11 @@ def test_the_verdict_says_why() -> None:
 def test_timeouts_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         LivenessRule(**{field: 0.0})
+
+
+def test_a_delta_carries_the_verdict_and_a_draining_worker_is_not_routable() -> None:
+    info = WorkerInfo("w0", "default", total_blocks=64)
+    stalled = WorkerDelta(info, alive=False, report=None, stalled=True)
+    assert stalled.liveness is Liveness.STALLED and not stalled.routable
+    assert WorkerDelta(info, alive=True, report=None).routable
+    assert not WorkerDelta(info, alive=True, report=None, draining=True).routable

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pagefleet.scheduler.liveness import Liveness
 from pagefleet.scheduler.session_pins import SessionPin
 from pagefleet.worker.events import LoadReport, WorkerInfo
 
@@ -89,6 +90,16 @@ class WorkerDelta:
     routed: tuple[bytes, ...] = ()
     routed_by: str = ""
     draining: bool = False
+
+    @property
+    def liveness(self) -> Liveness:
+        """The scheduler's verdict this delta carries (`alive` / `stalled`)."""
+        return Liveness.of(self.alive, self.stalled)
+
+    @property
+    def routable(self) -> bool:
+        """May take new requests: live by the scheduler's verdict and not draining."""
+        return self.alive and not self.draining
 
 
 @dataclass(frozen=True)
