@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from pagefleet.worker.events import KVEventBatch
@@ -110,8 +110,9 @@ class KVIndex:
         """How many workers of the pool hold the hash."""
         return self._copies.get(pool, {}).get(block_hash, 0)
 
-    def kept_elsewhere(self, worker_id: str, others: Iterable[str]) -> frozenset[bytes]:
-        """The worker's hashes that one of `others` (live workers of its pool) holds and keeps.
+    def kept_elsewhere(self, worker_id: str, keeps: Callable[[str], bool]) -> frozenset[bytes]:
+        """The worker's hashes that another worker of its pool holds and keeps (`keeps`:
+        whether a worker may keep prefixes for others: live, not draining).
 
         With several holders exactly one keeps each hash (the highest
         `_keeper_rank`), so holders under pressure at once do not all drop it
@@ -124,11 +125,12 @@ class KVIndex:
         shared = {h for h in index.hashes if copies.get(h, 0) > 1}
         mine = _keeper_rank(worker_id)
         out: set[bytes] = set()
-        for other in others:
+        for other, held in self._workers.items():
             if not shared:
                 break
-            if _keeper_rank(other) > mine:
-                kept = shared & self._workers[other].hashes  # set operations: C speed
+            # `keeps` last: judging a worker costs more than comparing ranks.
+            if held.pool == index.pool and _keeper_rank(other) > mine and keeps(other):
+                kept = shared & held.hashes  # set operations: C speed, the smaller side walked
                 out |= kept
                 shared -= kept
         return frozenset(out)

@@ -231,10 +231,10 @@ class ClusterState:
     def duplicated_hashes(self, worker_id: str) -> frozenset[bytes]:
         """The worker's hashes whose prefix survives its eviction: another live worker of
         its pool holds them and keeps them (`KVIndex.kept_elsewhere`)."""
-        entry = self._workers.get(worker_id)
-        if entry is None:
+        if worker_id not in self._workers:
             return frozenset()
-        return self._index.kept_elsewhere(worker_id, self._routable_ids(entry.info.pool))
+        now = self._clock()
+        return self._index.kept_elsewhere(worker_id, lambda wid: self._routable(self._workers[wid], now))
 
     def _duplicates_news(self, entry: _Entry) -> tuple[bytes, ...] | None:
         """What a push's ack says about duplicates: the set when it changed and the
@@ -268,14 +268,14 @@ class ClusterState:
             return None
         if entry.report.blocks_short <= 0:
             return None
-        pool = entry.info.pool
+        pool, now = entry.info.pool, self._clock()
         targets = [
-            report
-            for wid in self._routable_ids(pool)
-            if wid != worker_id and (report := self._workers[wid].report) is not None
+            e.report
+            for e in self._workers.values()
+            if e is not entry and e.info.pool == pool and e.report is not None and self._routable(e, now)
         ]
         return self._moves.order(
-            pool, entry.report, targets, entry.info.block_size, self.migration, self._clock()
+            pool, entry.report, targets, entry.info.block_size, self.migration, now
         )
 
     # ----- liveness -------------------------------------------------------
@@ -292,14 +292,9 @@ class ClusterState:
     def _judge(self, entry: _Entry, now: float) -> Liveness:
         return self.liveness.judge(entry.signs, now)
 
-    def _routable_ids(self, pool: str) -> list[str]:
-        """The pool's workers that may take new work (a request, a migration, a kept
-        prefix): alive and not draining."""
-        now = self._clock()
-        return [
-            wid for wid, e in self._workers.items()
-            if e.info.pool == pool and not e.draining and self._judge(e, now).alive
-        ]  # fmt: skip
+    def _routable(self, entry: _Entry, now: float) -> bool:
+        """Alive and not draining: may take new work (a request, a migration, a kept prefix)."""
+        return not entry.draining and self._judge(entry, now).alive
 
     def tick(self) -> int:
         """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
