@@ -35,6 +35,7 @@ class DeltaLog:
         return self._version
 
     def append(self, entry: LogEntry) -> None:
+        """Publish one entry at the next version (the oldest falls out when full)."""
         self._version += 1
         self._entries.append(entry)
 

@@ -1,10 +1,12 @@
 """The liveness rule: is a worker live, stalled or lost, and why. Decided here only.
 
 The scheduler judges every worker on its own clock with `LivenessRule` and
-publishes the verdict in its view (`WorkerDelta.alive` / `stalled`); the
-ingress replicas, the fronts' health and membership read that verdict
-instead of deciding again. The same rule's report deadline says which
-ingress replicas still subscribe (`LivenessRule.heard_in_time`).
+publishes the verdict in its view (`WorkerDelta.alive` / `stalled`, read
+back as `WorkerDelta.liveness`); the ingress replicas' router and worker
+slots, the fronts' health (live workers per pool) and membership's wait for
+an added worker read that verdict instead of deciding again. The same
+rule's report deadline says which ingress replicas still subscribe
+(`LivenessRule.heard_in_time`).
 """
 
 from __future__ import annotations
