@@ -19,40 +19,44 @@ def test_a_worker_silent_past_the_report_timeout_is_lost() -> None:
     assert RULE.judge(LifeSigns(now=0.0), 3.01) is Liveness.LOST
 
 
-def test_a_worker_with_work_and_no_progress_past_the_stall_timeout_is_stalled() -> None:
+def working(progress: int) -> LifeSigns:
+    """A worker registered at 0 whose first report at 0 says it has work."""
     signs = LifeSigns(now=0.0)
-    signs.reported(0.0, progress=5, has_work=True, restarted=False)
-    signs.heard(2.5)
-    signs.reported(2.5, progress=5, has_work=True, restarted=False)
+    push(signs, 0.0, progress)
+    return signs
+
+
+def push(signs: LifeSigns, at: float, progress: int, has_work: bool = True, restarted: bool = False) -> None:
+    """What a push does to the signs: heard, and a newer report."""
+    signs.heard(at)
+    signs.reported(at, progress, has_work, restarted)
+
+
+def test_a_worker_with_work_and_no_progress_past_the_stall_timeout_is_stalled() -> None:
+    signs = working(progress=5)
+    push(signs, 2.5, progress=5)
     assert RULE.judge(signs, 2.6) is Liveness.STALLED
 
 
 def test_a_stalled_worker_whose_reports_stopped_too_is_still_stalled() -> None:
-    signs = LifeSigns(now=0.0)
-    signs.reported(0.0, progress=0, has_work=True, restarted=False)
-    assert RULE.judge(signs, 10.0) is Liveness.STALLED  # its streams must move
+    assert RULE.judge(working(progress=0), 10.0) is Liveness.STALLED  # its streams must move
 
 
 def test_progress_restarts_the_stall_clock() -> None:
-    signs = LifeSigns(now=0.0)
-    signs.reported(0.0, progress=1, has_work=True, restarted=False)
-    signs.heard(1.9)
-    signs.reported(1.9, progress=2, has_work=True, restarted=False)
+    signs = working(progress=1)
+    push(signs, 1.9, progress=2)
     assert RULE.judge(signs, 3.0) is Liveness.LIVE
 
 
 def test_an_idle_worker_never_stalls() -> None:
     signs = LifeSigns(now=0.0)
-    signs.reported(0.0, progress=3, has_work=False, restarted=False)
-    signs.heard(2.9)
-    assert RULE.judge(signs, 2.9) is Liveness.LIVE
+    push(signs, 2.9, progress=3, has_work=False)
+    assert RULE.judge(signs, 5.5) is Liveness.LIVE  # stall_timeout_s past its last report
 
 
 def test_a_restarted_process_restarts_the_stall_clock() -> None:
-    signs = LifeSigns(now=0.0)
-    signs.reported(0.0, progress=9, has_work=True, restarted=False)
-    signs.heard(1.5)
-    signs.reported(1.5, progress=0, has_work=True, restarted=True)
+    signs = working(progress=9)
+    push(signs, 1.5, progress=0, restarted=True)
     assert RULE.judge(signs, 3.0) is Liveness.LIVE
 
 
