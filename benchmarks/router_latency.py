@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
-from pagefleet.scheduler.state import WorkerDelta
+from pagefleet.scheduler.messages import WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 

@@ -21,7 +21,7 @@ from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.status import PoolStatus, WorkerStatus
 from pagefleet.cluster.worker_slots import WorkerSlot
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 

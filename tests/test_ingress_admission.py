@@ -14,7 +14,7 @@ from pagefleet.cluster.api import GenerationRequest
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.worker_slots import WorkerSlot
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 

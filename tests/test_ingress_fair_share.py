@@ -14,7 +14,7 @@ from pagefleet.cluster.api import ErrorCode, GenerationRequest, IngressError
 from pagefleet.cluster.config import ClusterConfig, ConfigError
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.worker_slots import WorkerSlot
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
-from pagefleet.scheduler.state import ViewUpdate, WorkerDelta
+from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 

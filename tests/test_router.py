@@ -18,8 +18,9 @@ from pagefleet.cluster.ingress import Ingress
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import NoWorkerAvailable, RouteDecision, Router, RouterConfig
 from pagefleet.cluster.worker_slots import WorkerSlot
+from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.scheduler.session_pins import SessionKey, SessionPin
-from pagefleet.scheduler.state import ClusterState, ViewUpdate, WorkerDelta
+from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.prefix_hash import hash_token_blocks
 from pagefleet.worker.sampling_params import SamplingParams

@@ -16,8 +16,8 @@ from pagefleet.scheduler.actor import (  # noqa: E402
     get_scheduler,
     start_scheduler,
 )
+from pagefleet.scheduler.messages import ViewUpdate  # noqa: E402
 from pagefleet.scheduler.policy import EvictionWatermarks  # noqa: E402
-from pagefleet.scheduler.state import ViewUpdate  # noqa: E402
 from pagefleet.worker.actor import create_worker  # noqa: E402
 from pagefleet.worker.config import EngineConfig  # noqa: E402
 from pagefleet.worker.events import (  # noqa: E402

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from pagefleet.scheduler.messages import WorkerDelta
 from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
-from pagefleet.scheduler.state import ClusterState, WorkerDelta
+from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.events import KVEventBatch, LoadReport, RequestLoad, WorkerInfo
 
 

@@ -42,8 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pagefleet.cluster.router import Router
+from pagefleet.scheduler.messages import AbortNote, ViewUpdate, WorkerDelta
 from pagefleet.scheduler.session_pins import SessionPin
-from pagefleet.scheduler.state import AbortNote, ViewUpdate, WorkerDelta
 
 logger = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from pagefleet.worker.events import LoadReport
 from pagefleet.worker.prefix_hash import hash_token_blocks
 
 if TYPE_CHECKING:
-    from pagefleet.scheduler.state import WorkerDelta
+    from pagefleet.scheduler.messages import WorkerDelta
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -242,7 +242,7 @@ class Router:
         if worker is None:
             self.add_worker(info.worker_id, info.pool, block_size=info.block_size)
             worker = self._workers[info.worker_id]
-        worker.alive = delta.alive and not delta.draining
+        worker.alive = delta.routable
         if delta.report is not None:
             self.apply_load_report(delta.report)
         bit = worker.bit

@@ -28,8 +28,8 @@ from pagefleet.cluster.config import ClusterConfig, PoolConfig
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.router import Router
 from pagefleet.cluster.status import BLOCK_FIELDS, PoolStatus, WorkerStatus
+from pagefleet.scheduler.messages import WorkerDelta
 from pagefleet.scheduler.policy import Claim
-from pagefleet.scheduler.state import WorkerDelta
 from pagefleet.worker.events import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -177,19 +177,14 @@ class WorkerSlots:
         if self._metrics is not None:
             self._metrics.index_drift.labels(slot.pool, slot.worker_id).set(delta.drift_blocks)
         slot.draining = delta.draining
-        routable = delta.alive and not delta.draining
-        if routable and not slot.alive:
+        if delta.routable and not slot.alive:
             slot.alive = True
             slot.left = asyncio.Event()
-        elif not routable and slot.alive:
+        elif not delta.routable and slot.alive:
             if delta.draining:
                 logger.info("worker %s draining: out of routing, its streams finish there", slot.worker_id)
             else:
-                logger.warning(
-                    "worker %s out of routing (%s)",
-                    slot.worker_id,
-                    "hung: work but no progress" if delta.stalled else "no report in time",
-                )
+                logger.warning("worker %s out of routing (%s)", slot.worker_id, delta.liveness.value)
             # No new requests go there. Its streams stay unless it is hung: a late
             # report alone may be a slow scheduler or a busy machine, a draining
             # worker finishes them, and a dead worker's streams fail over by themselves.

@@ -30,9 +30,10 @@ from typing import Any
 
 import ray
 
+from pagefleet.scheduler.messages import ClusterView, ViewUpdate
 from pagefleet.scheduler.policy import EvictionWatermarks, MigrationPolicy
 from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin
-from pagefleet.scheduler.state import ClusterState, ClusterView, ViewUpdate
+from pagefleet.scheduler.state import ClusterState
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 
 logger = logging.getLogger(__name__)

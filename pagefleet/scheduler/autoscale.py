@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagefleet.scheduler.messages import ClusterView
 from pagefleet.scheduler.policy import AdmissionMode
-from pagefleet.scheduler.state import ClusterView
 
 
 @dataclass(frozen=True)

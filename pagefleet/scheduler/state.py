@@ -2,169 +2,52 @@
 
 This is the cluster's one source of truth for KV state. Workers register
 (idempotently) and then push, on an interval, a load report and the KV
-events (blocks stored / removed) since their previous push. Per worker the
-state keeps its latest report (free / live / cached / peak blocks, queues),
-its liveness and the set of block hashes it holds (the prefix index).
+events (blocks stored / removed) since their previous push. `ClusterState`
+keeps the registry (per worker its info, latest report, draining flag) and
+composes the rest, one job per module:
 
-Every KV batch carries the worker's incarnation and a sequence number. A gap
-or an unknown incarnation makes the state ask that worker for a snapshot
-(all hashes it holds), and so does a periodic check: comparing a snapshot
-with what the events built gives the index drift (blocks believed cached
-that the worker does not hold), exported so operators see it settle at 0.
+- `kv_index.KVIndex`: the hashes each worker holds, sequence gaps, snapshots
+  and drift, copies per pool;
+- `liveness.LivenessRule`: live / stalled / lost, on the scheduler's clock;
+- `migrations.MigrationBook`: the moves ordered, for cooldowns and reserved room;
+- `replicas.Replicas`: the ingress replicas' subscriptions and abort notes;
+- `session_pins.SessionPins`: the session pins relayed between replicas;
+- `delta_log.DeltaLog`: every change as a versioned entry, for subscribers.
 
-Liveness has three rules, evaluated on the scheduler's clock:
-- no push for `report_timeout_s`: dead (out of routing until it pushes again);
-- work (running or waiting requests) but no progress (tokens streamed) for
-  `stall_timeout_s`: hung, out of routing; the ingress moves its streams;
-- otherwise alive.
-
-Every change is a versioned `WorkerDelta`; subscribers (ingress replicas)
-ask for the deltas after their cursor and get a snapshot instead when they
-start, fall behind the bounded log, or see a new generation (a restarted
-scheduler). The `generation` identifies this scheduler incarnation: after a
-restart it changes, and workers seeing a new generation (or being told they
-are unknown) register again and send a snapshot, which rebuilds the view.
-
-Session pins (`session_pins`) ride the same log: an ingress replica's new pin
-is kept here (bounded per pool, expiring) and relayed to every replica as a
-`SessionPin`; a snapshot carries the live ones. A restarted scheduler starts
-with none; the replicas keep theirs, and tell it each session's pin again as
-the session is pinned anew or its pin is refreshed.
+A restarted scheduler has a new `generation` and an empty view: workers
+seeing the new generation (or being told they are unknown) register again
+and send a snapshot, which rebuilds it. Session pins ride the same log; a
+restarted scheduler starts with none, and the replicas, which keep theirs,
+tell it each session's pin again as the session is pinned anew or refreshed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
-import zlib
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pagefleet.scheduler.delta_log import DEFAULT_LOG_SIZE, DeltaLog
+from pagefleet.scheduler.kv_index import IndexChange, KVIndex
+from pagefleet.scheduler.liveness import LifeSigns, Liveness, LivenessRule
+from pagefleet.scheduler.messages import AbortNote, ClusterView, ViewUpdate, WorkerDelta, WorkerView
+from pagefleet.scheduler.migrations import MigrationBook
 from pagefleet.scheduler.policy import (
     EvictionWatermarks,
     Migration,
     MigrationPolicy,
     blocks_to_evict,
-    choose_migration,
 )
+from pagefleet.scheduler.replicas import Replicas
 from pagefleet.scheduler.session_pins import DEFAULT_MAX_PER_POOL, SessionPin, SessionPins
 from pagefleet.worker.events import KVEventBatch, LoadReport, WorkerInfo
 
-# Deltas kept for subscribers that are behind; older cursors get a snapshot.
-DEFAULT_LOG_SIZE = 50_000
-# A dead ingress replica is announced to workers this long, then forgotten.
-DEAD_REPLICA_MEMORY_S = 300.0
 # Below this share of free blocks a worker may soon evict: its acks carry which of
 # its hashes are duplicated elsewhere (when that changed). Above it nothing is sent.
 DUPLICATES_BELOW_FREE = 0.25
 # ...computed at most this often per worker.
 DUPLICATES_INTERVAL_S = 0.4
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """One worker as the scheduler sees it at snapshot time."""
-
-    info: WorkerInfo
-    alive: bool
-    report: LoadReport | None
-    last_report_at: float | None  # scheduler clock of the last accepted report (or registration)
-    stalled: bool = False
-    num_cached_hashes: int = 0
-    drift_blocks: int = 0
-    draining: bool = False
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def pool(self) -> str:
-        return self.info.pool
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    """An immutable snapshot of the cluster, cheap to ship to routers."""
-
-    generation: int
-    version: int
-    workers: tuple[WorkerView, ...]
-    # Per pool: requests waiting in the live ingress replicas' queues (not yet at a worker).
-    queued: Mapping[str, int] = field(default_factory=dict)
-
-    def pool(self, name: str) -> list[WorkerView]:
-        """Workers of a pool, live or not."""
-        return [w for w in self.workers if w.info.pool == name]
-
-    def alive(self, pool: str) -> list[WorkerView]:
-        """Live workers of a pool."""
-        return [w for w in self.workers if w.info.pool == pool and w.alive]
-
-    def pools(self) -> list[str]:
-        """Pool names, in order of first registration."""
-        return list(dict.fromkeys(w.info.pool for w in self.workers))
-
-
-@dataclass(frozen=True)
-class WorkerDelta:
-    """One change of one worker's state, as subscribers apply it.
-
-    Add `stored` to what is indexed for the worker and drop `removed`;
-    likewise `offload_stored` / `offload_removed` for its offload tier.
-    `reset`: the delta is part of a snapshot (`stored` is everything the
-    worker holds; the subscriber cleared its index first). `gone`: the worker
-    was deregistered; forget it. `draining`: the worker is being removed; it
-    takes no new request, and the streams it runs finish there.
-    """
-
-    info: WorkerInfo
-    alive: bool
-    report: LoadReport | None
-    stored: tuple[bytes, ...] = ()
-    removed: tuple[bytes, ...] = ()
-    reset: bool = False
-    gone: bool = False
-    stalled: bool = False
-    drift_blocks: int = 0
-    offload_stored: tuple[bytes, ...] = ()
-    offload_removed: tuple[bytes, ...] = ()
-    # A route note, not a change of state: ingress replica `routed_by` sent a prompt
-    # with these block hashes to the worker (subscribers other than it index them
-    # as speculative, `Router.note_routed_elsewhere`). Never part of a snapshot.
-    routed: tuple[bytes, ...] = ()
-    routed_by: str = ""
-    draining: bool = False
-
-
-@dataclass(frozen=True)
-class AbortNote:
-    """An abort looking for a request that waits in some ingress replica's queue.
-
-    Replica `origin` could not find the request (tenant-scoped `key`) in its
-    own tables nor on any worker; every other replica that holds it cancels
-    it and says so with its next subscribe (`found`). Never part of a snapshot.
-    """
-
-    note_id: int
-    key: str
-    origin: str
-
-
-@dataclass(frozen=True)
-class ViewUpdate:
-    """The answer to a subscriber: deltas after its cursor, or a snapshot.
-
-    Apply `deltas` in order, then continue from `version`. With `snapshot`,
-    every worker appears once with `reset=True`, followed by the live session pins.
-    """
-
-    generation: int
-    version: int
-    snapshot: bool
-    deltas: tuple[WorkerDelta | AbortNote | SessionPin, ...]
 
 
 @dataclass(frozen=True)
@@ -180,43 +63,13 @@ class PushResult:
 
 
 class _Entry:
-    __slots__ = (
-        "checked_at",
-        "draining",
-        "drift_blocks",
-        "duplicated_at",
-        "duplicated_sent",
-        "has_work",
-        "hashes",
-        "incarnation",
-        "info",
-        "kv_seq",
-        "last_seen",
-        "offloaded",
-        "progress",
-        "progress_at",
-        "published_alive",
-        "published_stalled",
-        "report",
-    )
+    __slots__ = ("draining", "duplicated_at", "duplicated_sent", "info", "published", "report", "signs")
 
     def __init__(self, info: WorkerInfo, now: float) -> None:
         self.info = info
         self.report: LoadReport | None = None
-        # Registration counts as a sign of life: a fresh worker is routable before its
-        # first report arrives.
-        self.last_seen = now
-        self.incarnation: str | None = None
-        self.kv_seq: int | None = None  # None: no consistent index yet, a snapshot is due
-        self.hashes: set[bytes] = set()
-        self.offloaded: set[bytes] = set()  # in the worker's offload tier (no pool copy counted)
-        self.checked_at = now
-        self.drift_blocks = 0
-        self.progress = 0
-        self.progress_at = now
-        self.has_work = False
-        self.published_alive = True
-        self.published_stalled = False
+        self.signs = LifeSigns(now)
+        self.published = Liveness.LIVE  # the verdict its latest delta carried
         self.draining = False  # being removed: out of routing, its streams finish
         # As the worker last heard it; a worker starts (and registers) with none.
         self.duplicated_sent: frozenset[bytes] = frozenset()
@@ -241,43 +94,42 @@ class ClusterState:
     ) -> None:
         """`session_pins`: how many session pins to keep per pool (the least recently
         used go first)."""
-        if not report_timeout_s > 0:
-            raise ValueError(f"report_timeout_s must be > 0, got {report_timeout_s}")
-        if not stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.liveness = LivenessRule(report_timeout_s, stall_timeout_s)
         if not index_check_interval_s > 0:
             raise ValueError(f"index_check_interval_s must be > 0, got {index_check_interval_s}")
-        if log_size < 1:
-            raise ValueError(f"log_size must be >= 1, got {log_size}")
-        self.report_timeout_s = report_timeout_s
-        self.stall_timeout_s = stall_timeout_s
         self.index_check_interval_s = index_check_interval_s
         # None: no eviction ahead of need (workers still evict lazily on allocation).
         self.eviction = eviction
-        self.generation = generation if generation is not None else secrets.randbits(62)
+        self._log = DeltaLog(generation if generation is not None else secrets.randbits(62), log_size)
         self._clock = clock
         self._workers: dict[str, _Entry] = {}
-        self._version = 0
-        self._log: deque[WorkerDelta | AbortNote | SessionPin] = deque(maxlen=log_size)
-        # Counters for metrics: KV sequence gaps seen, snapshots applied.
-        self.kv_gaps = 0
-        self.snapshots = 0
+        self._index = KVIndex()
+        self._replicas = Replicas(self.liveness, clock)
         self.route_notes = 0  # routing decisions relayed between ingress replicas
-        self._replicas: dict[str, float] = {}  # ingress replica id -> last subscribe
-        self._replica_cursors: dict[str, tuple[int | None, int]] = {}  # id -> its last cursor
-        self._replica_queued: dict[str, dict[str, int]] = {}  # id -> pool -> requests it queues
-        # Abort notes not settled yet: note id -> (its version, found by some replica).
-        self._aborts: dict[int, tuple[int, bool]] = {}
-        self._next_note = 0
-        # Per pool, hash -> how many of its workers hold it: eviction drops replicated
-        # prefixes first and the last copy last.
-        self._copies: dict[str, dict[bytes, int]] = {}
         # None: no cross-worker migration (each engine preempts inside its own pool).
         self.migration = migration
-        self._migrated_at: dict[str, float] = {}  # request id -> when it was last moved
-        self._promised: list[tuple[float, str, int]] = []  # (when, target, blocks) of moves
-        self.migrations: dict[str, int] = {}  # per pool: migrations ordered so far
+        self._moves = MigrationBook()
         self.sessions = SessionPins(session_pins, clock=clock)
+
+    @property
+    def generation(self) -> int:
+        """This scheduler incarnation's id."""
+        return self._log.generation
+
+    @property
+    def kv_gaps(self) -> int:
+        """KV sequence gaps seen so far."""
+        return self._index.kv_gaps
+
+    @property
+    def snapshots(self) -> int:
+        """Worker snapshots applied so far."""
+        return self._index.snapshots
+
+    @property
+    def migrations(self) -> dict[str, int]:
+        """Per pool: migrations ordered so far."""
+        return self._moves.ordered
 
     # ----- membership -----------------------------------------------------
 
@@ -293,13 +145,13 @@ class ClusterState:
                     f"worker {info.worker_id!r} is registered in pool {entry.info.pool!r}, not {info.pool!r}"
                 )
             entry.info = info
-            entry.last_seen = now
+            entry.signs.heard(now)
             # A worker registers again after it restarted: its report seq starts over,
             # and its old report describes a process that is gone.
             entry.report = None
-            entry.kv_seq = None
             entry.duplicated_sent = frozenset()
             entry.duplicated_at = -float("inf")
+        self._index.register(info.worker_id, info.pool, now)
         self._publish(entry)
         return self.generation
 
@@ -308,9 +160,9 @@ class ClusterState:
         entry = self._workers.pop(worker_id, None)
         if entry is None:
             return False
-        self._count(entry, (), tuple(entry.hashes))
+        self._index.remove(worker_id)
         self.sessions.drop_worker(worker_id)  # the replicas drop theirs with the delta
-        self._append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
+        self._log.append(WorkerDelta(entry.info, False, None, reset=True, gone=True))
         return True
 
     def set_draining(self, worker_id: str, draining: bool = True) -> bool:
@@ -340,163 +192,49 @@ class ClusterState:
         if entry is None:
             return PushResult(registered=False)
         self._take_report(entry, report)
-        pool_events = tuple(e for e in batch.events if e[0] in _POOL_EVENTS)
-        tier_events = tuple(e for e in batch.events if e[0] not in _POOL_EVENTS)
-        # Before _take_kv, which records the batch's incarnation as the entry's.
-        off_stored, off_removed = self._take_offload(entry, batch, tier_events)
-        stored, removed, want_snapshot = self._take_kv(
-            entry, dataclasses.replace(batch, events=pool_events)
-        )
-        self._publish(entry, stored, removed, off_stored, off_removed)
-        due = self._clock() - entry.checked_at >= self.index_check_interval_s
+        change = self._index.apply(report.worker_id, batch, self._clock())
+        self._publish(entry, change)
+        due = self._index.check_due(report.worker_id, self._clock(), self.index_check_interval_s)
         return PushResult(
             registered=True,
-            snapshot=want_snapshot or due,
+            snapshot=change.snapshot or due,
             evict_blocks=self.blocks_to_evict(report.worker_id),
             duplicated=self._duplicates_news(entry),
         )
 
     def _take_report(self, entry: _Entry, report: LoadReport) -> None:
         now = self._clock()
-        entry.last_seen = now
+        entry.signs.heard(now)
         if not report.supersedes(entry.report):
             return
         restarted = entry.report is None or entry.report.incarnation != report.incarnation
-        # The stall clock runs only while the worker has work and its count of streamed
-        # tokens stands still; a fresh process or an idle spell restarts it.
-        if restarted or report.progress > entry.progress or not entry.has_work:
-            entry.progress_at = now
-        entry.progress = report.progress
-        entry.has_work = report.num_running + report.num_waiting > 0
+        has_work = report.num_running + report.num_waiting > 0
+        entry.signs.reported(now, report.progress, has_work, restarted)
         entry.report = report
 
-    def _take_kv(
-        self, entry: _Entry, batch: KVEventBatch
-    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...], bool]:
-        """Apply a batch to the worker's hash set: (stored, removed, snapshot wanted).
+    # ----- eviction -------------------------------------------------------
 
-        Snapshots are published as the difference to what was indexed, so a
-        subscriber never has to rebuild a worker's index from scratch.
+    def blocks_to_evict(self, worker_id: str) -> int:
+        """Cached blocks the worker should evict now, by its latest report and the watermarks.
+
+        0 without watermarks, for an unknown worker, or before its first report.
         """
-        fresh = batch.incarnation != entry.incarnation
-        if batch.reset:
-            actual = {h for _, h in batch.events}
-            before = set() if fresh else entry.hashes
-            # A drift check: what the events built against what the worker holds. A new
-            # process starts from nothing, so it cannot drift.
-            consistent = entry.kv_seq is not None and not fresh
-            entry.drift_blocks = len(before - actual) if consistent else 0
-            stored, removed = tuple(actual - entry.hashes), tuple(entry.hashes - actual)
-            self._count(entry, stored, removed)
-            entry.hashes = actual
-            entry.incarnation = batch.incarnation
-            entry.kv_seq = batch.seq
-            entry.checked_at = self._clock()
-            self.snapshots += 1
-            return stored, removed, False
-        if fresh or entry.kv_seq is None:
-            # Events of a process whose index we never saw whole: apply them for what
-            # they are worth, and ask for the full picture.
-            removed_old: tuple[bytes, ...] = ()
-            if fresh:
-                removed_old, entry.hashes = tuple(entry.hashes), set()
-                self._count(entry, (), removed_old)
-            entry.incarnation = batch.incarnation
-            entry.kv_seq = None
-            stored, removed = self._apply_events(entry, batch)
-            return stored, removed_old + removed, True
-        gap = batch.seq != entry.kv_seq + 1
-        if gap:
-            self.kv_gaps += 1
-        entry.kv_seq = batch.seq
-        stored, removed = self._apply_events(entry, batch)
-        return stored, removed, gap
-
-    def _take_offload(
-        self, entry: _Entry, batch: KVEventBatch, events: tuple[tuple[str, bytes], ...]
-    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-        """Apply a batch's offload-tier events: (stored, removed) as published.
-
-        A snapshot (`reset`) or a new process replaces the tier's set; the tier
-        only lowers a worker's prefill cost, so a gap costs score, not correctness.
-        """
-        held = entry.offloaded
-        if batch.reset or batch.incarnation != entry.incarnation:
-            actual = {h for kind, h in events if kind == "offload_stored"}
-            if not batch.reset:  # a new process: its events so far are all there is
-                actual -= {h for kind, h in events if kind == "offload_removed"}
-            stored, removed = tuple(actual - held), tuple(held - actual)
-            entry.offloaded = actual
-            return stored, removed
-        stored_l: list[bytes] = []
-        removed_l: list[bytes] = []
-        for kind, h in events:
-            if kind == "offload_stored":
-                held.add(h)
-                stored_l.append(h)
-            else:
-                held.discard(h)
-                removed_l.append(h)
-        return tuple(stored_l), tuple(removed_l)
-
-    def _apply_events(
-        self, entry: _Entry, batch: KVEventBatch
-    ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-        stored: list[bytes] = []
-        removed: list[bytes] = []
-        hashes = entry.hashes
-        copies = self._copies.setdefault(entry.info.pool, {})
-        for kind, block_hash in batch.events:
-            if kind == "stored":
-                if block_hash not in hashes:
-                    hashes.add(block_hash)
-                    copies[block_hash] = copies.get(block_hash, 0) + 1
-                stored.append(block_hash)
-            else:
-                if block_hash in hashes:
-                    hashes.discard(block_hash)
-                    _uncount(copies, block_hash)
-                removed.append(block_hash)
-        return tuple(stored), tuple(removed)
-
-    def _count(self, entry: _Entry, stored: tuple[bytes, ...], removed: tuple[bytes, ...]) -> None:
-        copies = self._copies.setdefault(entry.info.pool, {})
-        for h in stored:
-            copies[h] = copies.get(h, 0) + 1
-        for h in removed:
-            _uncount(copies, h)
+        entry = self._workers.get(worker_id)
+        if self.eviction is None or entry is None or entry.report is None:
+            return 0
+        return blocks_to_evict(entry.report, self.eviction)
 
     def copies(self, pool: str, block_hash: bytes) -> int:
         """How many workers of the pool hold the hash, by the index."""
-        return self._copies.get(pool, {}).get(block_hash, 0)
+        return self._index.copies(pool, block_hash)
 
     def duplicated_hashes(self, worker_id: str) -> frozenset[bytes]:
         """The worker's hashes whose prefix survives its eviction: another live worker of
-        its pool holds them and keeps them.
-
-        With several holders exactly one keeps each hash (the highest
-        `_keeper_rank`), so holders under pressure at once do not all drop it
-        first: the last copy goes last. The rank is the worker's, not the
-        hash's: the keeper of a prefix keeps all of its blocks, since a chain
-        cut at one block loses every block after it to lookups.
-        """
-        entry = self._workers.get(worker_id)
-        if entry is None:
+        its pool holds them and keeps them (`KVIndex.kept_elsewhere`)."""
+        if worker_id not in self._workers:
             return frozenset()
-        pool = entry.info.pool
-        copies = self._copies.get(pool, {})
-        shared = {h for h in entry.hashes if copies.get(h, 0) > 1}
         now = self._clock()
-        mine = _keeper_rank(worker_id)
-        out: set[bytes] = set()
-        for wid, e in self._workers.items():
-            if not shared:
-                break
-            if e.info.pool == pool and _keeper_rank(wid) > mine and self._routable(e, now):
-                kept = shared & e.hashes  # set operations: C speed, the smaller side walked
-                out |= kept
-                shared -= kept
-        return frozenset(out)
+        return self._index.kept_elsewhere(worker_id, lambda wid: self._routable(self._workers[wid], now))
 
     def _duplicates_news(self, entry: _Entry) -> tuple[bytes, ...] | None:
         """What a push's ack says about duplicates: the set when it changed and the
@@ -522,69 +260,48 @@ class ClusterState:
         """A request the worker should hand to another worker of its pool, by its latest report.
 
         `policy.choose_migration` decides among the pool's other live workers;
-        the move is then remembered: the request cannot move again for
-        `cooldown_s`, and its blocks count against the target's room for
-        `reserve_s` (until the target's reports show it).
+        `MigrationBook` remembers the move for the cooldown and the target's
+        reserved room.
         """
         entry = self._workers.get(worker_id)
         if self.migration is None or entry is None or entry.report is None:
             return None
         if entry.report.blocks_short <= 0:
             return None
-        now = self._clock()
-        policy = self.migration
-        self._migrated_at = {
-            rid: t for rid, t in self._migrated_at.items() if now - t < policy.cooldown_s
-        }
-        self._promised = [p for p in self._promised if now - p[0] < policy.reserve_s]
-        reserved: dict[str, int] = {}
-        for _, target, blocks in self._promised:
-            reserved[target] = reserved.get(target, 0) + blocks
+        pool, now = entry.info.pool, self._clock()
         targets = [
             e.report
             for e in self._workers.values()
-            if e is not entry and e.info.pool == entry.info.pool
-            and e.report is not None and self._routable(e, now)
+            if e is not entry and e.info.pool == pool and e.report is not None and self._routable(e, now)
         ]
-        move = choose_migration(
-            entry.report, targets, entry.info.block_size, policy,
-            recently_migrated=self._migrated_at, reserved=reserved,
+        return self._moves.order(
+            pool, entry.report, targets, entry.info.block_size, self.migration, now
         )
-        if move is not None:
-            self._migrated_at[move.request_id] = now
-            self._promised.append((now, move.target, move.num_blocks))
-            pool = entry.info.pool
-            self.migrations[pool] = self.migrations.get(pool, 0) + 1
-        return move
 
     # ----- liveness -------------------------------------------------------
 
     def is_alive(self, worker_id: str) -> bool:
-        """Registered, heard from within `report_timeout_s`, and not hung."""
+        """Registered and live by `LivenessRule`: heard from in time, and not hung."""
         entry = self._workers.get(worker_id)
-        return entry is not None and self._alive(entry, self._clock())
+        return entry is not None and self._judge(entry, self._clock()).alive
 
     def is_stalled(self, worker_id: str) -> bool:
         """Has work but streamed nothing for `stall_timeout_s` (KeyError if unknown)."""
-        return self._stalled(self._workers[worker_id], self._clock())
+        return self._judge(self._workers[worker_id], self._clock()).stalled
 
-    def _stalled(self, entry: _Entry, now: float) -> bool:
-        return entry.has_work and now - entry.progress_at > self.stall_timeout_s
-
-    def _alive(self, entry: _Entry, now: float) -> bool:
-        return now - entry.last_seen <= self.report_timeout_s and not self._stalled(entry, now)
+    def _judge(self, entry: _Entry, now: float) -> Liveness:
+        return self.liveness.judge(entry.signs, now)
 
     def _routable(self, entry: _Entry, now: float) -> bool:
         """Alive and not draining: may take new work (a request, a migration, a kept prefix)."""
-        return not entry.draining and self._alive(entry, now)
+        return not entry.draining and self._judge(entry, now).alive
 
     def tick(self) -> int:
         """Publish liveness changes that time alone caused (deadlines, stalls); returns how many."""
         now = self._clock()
         changed = 0
         for entry in self._workers.values():
-            state = (self._alive(entry, now), self._stalled(entry, now))
-            if state != (entry.published_alive, entry.published_stalled):
+            if self._judge(entry, now) is not entry.published:
                 self._publish(entry)
                 changed += 1
         return changed
@@ -601,44 +318,29 @@ class ClusterState:
 
     # ----- queries --------------------------------------------------------
 
-    def blocks_to_evict(self, worker_id: str) -> int:
-        """Cached blocks the worker should evict now, by its latest report and the watermarks.
-
-        0 without watermarks, for an unknown worker, or before its first report.
-        """
-        entry = self._workers.get(worker_id)
-        if self.eviction is None or entry is None or entry.report is None:
-            return 0
-        return blocks_to_evict(entry.report, self.eviction)
-
     def latest_report(self, worker_id: str) -> LoadReport | None:
         """The worker's latest load report (None before the first; KeyError if unknown)."""
         return self._workers[worker_id].report
 
     def cached_hashes(self, worker_id: str) -> frozenset[bytes]:
         """The hashes the scheduler believes the worker holds (KeyError if unknown)."""
-        return frozenset(self._workers[worker_id].hashes)
+        return frozenset(self._index.held(worker_id))
 
     def index_drift(self) -> int:
         """Blocks believed cached that workers did not hold, summed over each worker's last check."""
-        return sum(e.drift_blocks for e in self._workers.values())
+        return self._index.total_drift()
 
     def view(self) -> ClusterView:
         """An immutable snapshot for status pages and tests (liveness evaluated now)."""
         now = self._clock()
         workers = tuple(
             WorkerView(
-                e.info, self._alive(e, now), e.report, e.last_seen, self._stalled(e, now),
-                len(e.hashes), e.drift_blocks, e.draining,
+                e.info, (verdict := self._judge(e, now)).alive, e.report, e.signs.last_seen,
+                verdict.stalled, len(self._index.held(wid)), self._index.drift(wid), e.draining,
             )
-            for e in self._workers.values()
+            for wid, e in self._workers.items()
         )
-        queued: dict[str, int] = {}
-        for rid, seen in self._replicas.items():
-            if now - seen <= self.report_timeout_s:  # a dead replica's queue died with it
-                for pool, n in self._replica_queued.get(rid, {}).items():
-                    queued[pool] = queued.get(pool, 0) + n
-        return ClusterView(self.generation, self._version, workers, queued)
+        return ClusterView(self.generation, self._log.version, workers, self._replicas.queued())
 
     # ----- ingress replicas -----------------------------------------------
 
@@ -650,57 +352,33 @@ class ClusterState:
         it): it is alive. `found`: abort notes it found its request for. `queued`:
         requests waiting in its queue, per pool."""
         if replica_id:
-            self._replicas[replica_id] = self._clock()
-            self._replica_cursors[replica_id] = (generation, cursor)
-            self._replica_queued[replica_id] = {p: n for p, n in (queued or {}).items() if n > 0}
-        for note_id in found:
-            if note_id in self._aborts:
-                self._aborts[note_id] = (self._aborts[note_id][0], True)
+            self._replicas.note(replica_id, generation, cursor, queued or {})
+        self._replicas.found(found)
 
     def publish_abort(self, key: str, origin: str) -> int:
         """Ask every ingress replica but `origin` to cancel the waiting request `key`;
         returns the note's id for `abort_settled`."""
-        self._next_note += 1
-        note_id = self._next_note
-        self._append(AbortNote(note_id, key, origin))
-        self._aborts[note_id] = (self._version, False)
+        note_id = self._replicas.open_abort(self._log.version + 1)  # the note's version
+        self._log.append(AbortNote(note_id, key, origin))
         return note_id
 
     def abort_settled(self, note_id: int, origin: str) -> bool | None:
         """True once a replica found the request; False once every other live replica
         has subscribed past the note without finding it; None while neither."""
-        version, found = self._aborts[note_id]
-        if found:
-            return True
-        now = self._clock()
-        for rid, seen in self._replicas.items():
-            if rid == origin or now - seen > self.report_timeout_s:
-                continue
-            generation, cursor = self._replica_cursors.get(rid, (None, 0))
-            if generation != self.generation or cursor < version:
-                return None
-        return False
+        return self._replicas.abort_settled(note_id, origin, self.generation)
 
     def forget_abort(self, note_id: int) -> None:
         """Drop a note, settled or timed out."""
-        self._aborts.pop(note_id, None)
+        self._replicas.forget_abort(note_id)
 
     @property
     def aborts_pending(self) -> bool:
-        return bool(self._aborts)
+        """Some abort note is not settled yet."""
+        return self._replicas.aborts_pending
 
     def dead_replicas(self) -> tuple[str, ...]:
-        """Replicas silent for `report_timeout_s`: workers abort the requests they sent.
-
-        Only replicas this incarnation has seen can be dead, so a restarted
-        scheduler never makes workers abort the streams of a live replica.
-        """
-        now = self._clock()
-        for rid in [r for r, t in self._replicas.items() if now - t > DEAD_REPLICA_MEMORY_S]:
-            del self._replicas[rid]
-            self._replica_cursors.pop(rid, None)
-            self._replica_queued.pop(rid, None)
-        return tuple(r for r, t in self._replicas.items() if now - t > self.report_timeout_s)
+        """Replicas silent for `report_timeout_s`: workers abort the requests they sent."""
+        return self._replicas.dead()
 
     def note_routed(self, replica_id: str, worker_id: str, hashes: tuple[bytes, ...]) -> bool:
         """Publish one routing decision of an ingress replica to the other replicas
@@ -708,10 +386,10 @@ class ClusterState:
         entry = self._workers.get(worker_id)
         if entry is None or not hashes:
             return False
-        self._append(
+        self._log.append(
             WorkerDelta(
-                entry.info, entry.published_alive, entry.report,
-                stalled=entry.published_stalled, drift_blocks=entry.drift_blocks,
+                entry.info, entry.published.alive, entry.report,
+                stalled=entry.published.stalled, drift_blocks=self._index.drift(worker_id),
                 routed=hashes, routed_by=replica_id, draining=entry.draining,
             )
         )
@@ -727,7 +405,7 @@ class ClusterState:
             if entry is None or entry.info.pool != pin.pool:
                 continue
             self.sessions.put(pin.pool, pin.key, pin.worker_id, pin.ttl_s)
-            self._append(pin)
+            self._log.append(pin)
             taken += 1
         return taken
 
@@ -736,66 +414,38 @@ class ClusterState:
     @property
     def version(self) -> int:
         """Deltas published so far by this incarnation."""
-        return self._version
+        return self._log.version
 
     def updates_since(self, generation: int | None, cursor: int) -> ViewUpdate:
         """Deltas after `cursor`, or a snapshot when the subscriber cannot continue from it."""
-        oldest = self._version - len(self._log)  # the first kept delta has version oldest + 1
-        if generation != self.generation or not oldest <= cursor <= self._version:
-            return self.snapshot()
-        start = cursor - oldest
-        deltas = tuple(self._log[i] for i in range(start, len(self._log)))
-        return ViewUpdate(self.generation, self._version, False, deltas)
+        return self._log.since(generation, cursor) or self.snapshot()
 
     def snapshot(self) -> ViewUpdate:
-        """Every worker's full state (index included) at the current version."""
+        """Every worker's full state (index included) at the current version, then the
+        live session pins."""
         now = self._clock()
+        index = self._index
         deltas = tuple(
             WorkerDelta(
-                e.info, self._alive(e, now), e.report, tuple(e.hashes), (), True, False,
-                self._stalled(e, now), e.drift_blocks, tuple(e.offloaded), draining=e.draining,
+                e.info, (verdict := self._judge(e, now)).alive, e.report, tuple(index.held(wid)),
+                (), True, False, verdict.stalled, index.drift(wid), tuple(index.offloaded(wid)),
+                draining=e.draining,
             )
-            for e in self._workers.values()
+            for wid, e in self._workers.items()
         )
-        return ViewUpdate(self.generation, self._version, True, (*deltas, *self.sessions.pins()))
+        return self._log.snapshot((*deltas, *self.sessions.pins()))
 
-    def _publish(
-        self,
-        entry: _Entry,
-        stored: tuple[bytes, ...] = (),
-        removed: tuple[bytes, ...] = (),
-        offload_stored: tuple[bytes, ...] = (),
-        offload_removed: tuple[bytes, ...] = (),
-    ) -> None:
-        now = self._clock()
-        alive = self._alive(entry, now)
-        entry.published_alive = alive
-        entry.published_stalled = self._stalled(entry, now)
-        self._append(
+    def _publish(self, entry: _Entry, change: IndexChange | None = None) -> None:
+        """Append the worker's current state (and what `change` did to its index)."""
+        verdict = entry.published = self._judge(entry, self._clock())
+        c = change or _NO_CHANGE
+        self._log.append(
             WorkerDelta(
-                entry.info, alive, entry.report, stored, removed, False, False,
-                self._stalled(entry, now), entry.drift_blocks, offload_stored, offload_removed,
-                draining=entry.draining,
+                entry.info, verdict.alive, entry.report, c.stored, c.removed, False, False,
+                verdict.stalled, self._index.drift(entry.info.worker_id), c.offload_stored,
+                c.offload_removed, draining=entry.draining,
             )
         )
 
-    def _append(self, delta: WorkerDelta | AbortNote | SessionPin) -> None:
-        self._version += 1
-        self._log.append(delta)
 
-
-# KV event kinds of the pool itself; the others ("offload_*") are the offload tier's.
-_POOL_EVENTS = ("stored", "removed")
-
-
-def _uncount(copies: dict[bytes, int], block_hash: bytes) -> None:
-    left = copies.get(block_hash, 0) - 1
-    if left > 0:
-        copies[block_hash] = left
-    else:
-        copies.pop(block_hash, None)
-
-
-def _keeper_rank(worker_id: str) -> tuple[int, str]:
-    """Which holder keeps a duplicated hash: the highest rank (stable across processes)."""
-    return zlib.crc32(worker_id.encode()), worker_id
+_NO_CHANGE = IndexChange((), (), (), (), snapshot=False)
