@@ -37,14 +37,21 @@ def _no_ray_left_connected() -> Iterator[None]:
     """Each module starts without Ray connected in this process, whichever module ran
     before it here (pytest-xdist runs modules in any order on each process). A module
     that lost its GCS leaves `ray.shutdown` finishing in a thread (`stop_local_ray`),
-    waiting out Ray's GCS reconnect timeout: wait for it, then end any Ray left."""
+    waiting out Ray's GCS reconnect timeout; Ray counts itself uninitialized as soon as
+    that shutdown begins, and a `ray.init` before it ends fails ("called ray.init
+    twice"): wait for the thread, then end any Ray left."""
     yield
     if "ray" not in sys.modules:
         return
+    import threading
+
     import ray
 
+    from pagefleet.cluster.app import RAY_SHUTDOWN_THREAD
+
     deadline = time.monotonic() + RAY_SHUTDOWN_WAIT_S
-    while ray.is_initialized() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    for thread in threading.enumerate():
+        if thread.name == RAY_SHUTDOWN_THREAD:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if ray.is_initialized():
         ray.shutdown()

@@ -87,11 +87,15 @@ class SshNode:
         """Command lines of the node's Ray processes (its GCS, raylet, dashboard...)."""
         init = psutil.Process(self.unshare.pid).children()[0]
         names = ("gcs_server", "raylet", "dashboard", "ray::")
-        return [
-            " ".join(p.cmdline())
-            for p in init.children(recursive=True)
-            if any(n in " ".join(p.cmdline()) for n in names)
-        ]
+        found = []
+        for proc in init.children(recursive=True):
+            try:
+                argv = " ".join(proc.cmdline())
+            except psutil.NoSuchProcess:  # ended since it was listed
+                continue
+            if any(n in argv for n in names):
+                found.append(argv)
+        return found
 
 
 def _quote(command: str) -> str:

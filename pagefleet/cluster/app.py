@@ -161,6 +161,10 @@ def _local_gcs_process() -> Any:
     return infos[0].process if infos else None
 
 
+# The name of the thread `stop_local_ray` shuts Ray down in.
+RAY_SHUTDOWN_THREAD = "pagefleet-ray-shutdown"
+
+
 def stop_local_ray() -> None:
     """`ray.shutdown()` of the Ray this process started, then SIGKILL for any of its
     processes still running: after a lost GCS, Ray's shutdown leaves the raylet's agents
@@ -176,8 +180,10 @@ def stop_local_ray() -> None:
             with contextlib.suppress(psutil.Error):
                 root = psutil.Process(info.process.pid)
                 started += [root, *root.children(recursive=True)]
-    # In a thread: with the GCS gone, the driver's disconnect may wait on it.
-    stopping = threading.Thread(target=ray.shutdown, daemon=True)
+    # In a thread: with the GCS gone, the driver's disconnect may wait on it (Ray's
+    # reconnect timeout). The thread's name lets a test wait for it before a next ray.init:
+    # Ray counts itself uninitialized before its shutdown is done.
+    stopping = threading.Thread(target=ray.shutdown, daemon=True, name=RAY_SHUTDOWN_THREAD)
     stopping.start()
     stopping.join(timeout=30.0)
     _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S)
