@@ -31,7 +31,7 @@ import torch
 from pagefleet.worker.block_pool import BlockPool, PoolStats
 from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.kv_cache import KVCache
-from pagefleet.worker.kv_migration import ExportedKV, export_blocks, import_blocks
+from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.offload import HostOffloadTier, TierStats, revive_offloaded
 
 
@@ -180,19 +180,52 @@ class KVCacheManager:
         self.cache.swap_in(host, block_ids)
 
     def export_blocks(self, hashes: Seq[bytes]) -> ExportedKV | None:
-        """A host copy of the leading run of `hashes` registered here
-        (`kv_migration.export_blocks`); None when not even the first is."""
-        exported = export_blocks(self._pool, self.cache, hashes)
-        if exported is not None:
-            self._exported += len(exported.block_hashes)
-        return exported
+        """A host copy of the leading run of `hashes` registered here (live or cached),
+        to continue a request on another worker; None when not even the first is.
+        The blocks themselves are untouched."""
+        pool = self._pool
+        n = pool.leading(hashes)
+        if n == 0:
+            return None
+        block_ids = [pool.block_of(h) for h in hashes[:n]]
+        self._exported += n
+        return ExportedKV(tuple(hashes[:n]), self.cache.swap_out(block_ids))
 
     def import_blocks(self, hashes: Seq[bytes], blocks: torch.Tensor) -> int:
-        """Write exported `blocks` in as cached blocks under `hashes`
-        (`kv_migration.import_blocks`); returns how many were written."""
-        n = import_blocks(self._pool, self.cache, hashes, blocks)
-        self._imported += n
-        return n
+        """Write exported `blocks` in as cached blocks (ref count 0) under `hashes`;
+        returns how many were written.
+
+        Hashes held already are skipped (the own copy serves). The blocks come
+        from the free list, evicting cached blocks (least recently used first)
+        when it runs out, as an admission would, but never the leading run of
+        `hashes` held here, and never a live block: when the room is short, the
+        leading part of the run that fits is written. Raises ValueError when
+        the blocks do not fit this cache's layout.
+        """
+        pool, cache = self._pool, self.cache
+        expected = (len(hashes), *cache.transfer.block_shape)
+        if tuple(blocks.shape) != expected or blocks.dtype != cache.tensor.dtype:
+            raise ValueError(
+                f"KV blocks of shape {tuple(blocks.shape)} and dtype {blocks.dtype} do not fit "
+                f"this pool: expected {expected} and {cache.tensor.dtype}"
+            )
+        if not self.enable_prefix_caching:
+            return 0
+        own = pool.leading(hashes)
+        pool.touch(hashes[:own])  # the cached ones among them are evicted after everything else
+        kept = sum(1 for h in hashes[:own] if not pool.is_live(h))
+        todo = [i for i in range(own, len(hashes)) if not pool.is_cached(hashes[i])]
+        todo = todo[: max(0, pool.num_allocatable - kept)]
+        if not todo:
+            return 0
+        block_ids = pool.allocate(len(todo))
+        cache.swap_in(blocks[todo], block_ids)
+        for block_id, i in zip(block_ids, todo, strict=True):
+            pool.register(block_id, hashes[i])
+        # Tail first: the run's first blocks are evicted last, as for a finished request.
+        pool.free(reversed(block_ids))
+        self._imported += len(block_ids)
+        return len(block_ids)
 
     # ------------------------------------------------------------------ events
 
