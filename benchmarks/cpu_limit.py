@@ -391,7 +391,7 @@ def pagefleet_run(
     """One cold run (prefix cache emptied first); (its time, generated tokens)."""
     from pagefleet import SamplingParams
 
-    llm.engine.pool.reset_prefix_cache()
+    llm.engine.kv.evict()
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     with stopwatch() as timing:
         outs = llm.generate(prompts, params)
@@ -639,7 +639,7 @@ def main() -> None:
     t_instr = Timing()
     timers = Timers()
     if "breakdown" not in args.skip:
-        llm.engine.pool.reset_prefix_cache()
+        llm.engine.kv.evict()
         with instrumented(llm, timers):
             t_instr, _ = pagefleet_run(llm, prompts, n_out)
 

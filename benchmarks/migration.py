@@ -97,7 +97,7 @@ def transfer_s(engine: LLMEngine, target: Any, length: int) -> float:
     n = -(-length // BLOCK_SIZE)
     block_ids = list(range(n))
     start = time.perf_counter()
-    blocks = engine.kv.tensor.index_select(2, torch.tensor(block_ids, dtype=torch.long)).contiguous()
+    blocks = engine.kv.cache.tensor.index_select(2, torch.tensor(block_ids, dtype=torch.long)).contiguous()
     # As bytes: numpy arrays travel through the object store without a pickle copy.
     ref = ray.put(blocks.view(torch.uint8).numpy())
     ray.get(target.receive.remote([ref], block_ids))
@@ -287,7 +287,7 @@ def main() -> None:
             enable_prefix_caching=False, device="cpu",
         )
     )
-    kv = engine.kv.tensor
+    kv = engine.kv.cache.tensor
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         target = ray.remote(Target).options(num_cpus=0).remote(tuple(kv.shape), str(kv.dtype).removeprefix("torch."))

@@ -97,7 +97,7 @@ def main() -> None:
     num_blocks = max(int(history_blocks * args.pool_share), 2 * per_turn2)
     # The recompute engine comes first: it also tells the size of a block.
     recompute = make_llm(args, model, num_blocks, 0)
-    bytes_per_block = recompute.engine.kv.transfer.bytes_per_block
+    bytes_per_block = recompute.engine.kv.bytes_per_block
     desc = (f"model: Llama {model_kwargs['num_hidden_layers']} layers, hidden "
             f"{model_kwargs['hidden_size']}" if model_kwargs else f"model: {model}")
     # The tier holds every block both turns ever compute, with room to spare.

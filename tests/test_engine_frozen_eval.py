@@ -219,7 +219,7 @@ def test_float16_kv_equals_hf_on_float16_rounded_kv_in_float64(llama_float64: Pa
     hf = load_hf_reference(llama_float64, kv_dtype=torch.float16)
     plain = load_hf_reference(llama_float64)
     llm = LLM(model=llama_float64, block_size=16, dtype="float64", kv_cache_dtype="float16")
-    assert llm.engine.kv.tensor.dtype == torch.float16
+    assert llm.engine.kv.cache.tensor.dtype == torch.float16
     prompts = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)

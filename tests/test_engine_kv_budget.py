@@ -35,9 +35,9 @@ def test_a_float16_kv_cache_holds_twice_the_blocks_of_a_float32_model_in_one_bud
     budget = 4 * 2**20
     wide = LLM(model="tiny", kv_memory_bytes=budget)
     narrow = LLM(model="tiny", kv_memory_bytes=budget, kv_cache_dtype="float16")
-    assert narrow.engine.kv.tensor.dtype == torch.float16
+    assert narrow.engine.kv.cache.tensor.dtype == torch.float16
     assert narrow.stats()["total"] == 2 * wide.stats()["total"]
-    assert narrow.engine.kv.nbytes <= budget
+    assert narrow.engine.kv.cache.nbytes <= budget
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices() -> None:

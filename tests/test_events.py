@@ -200,7 +200,7 @@ def test_report_from_engine_stats_reads_pool_counters() -> None:
 
 def test_report_from_engine_stats_accepts_per_mode_preemption_keys() -> None:
     stats = {
-        "total_blocks": 8, "preemptions_recompute": 2, "preemptions_swap": 1, "preemptions_total": 3,
+        "total": 8, "preemptions_recompute": 2, "preemptions_swap": 1, "preemptions_total": 3,
     }  # fmt: skip
     report = LoadReport.from_engine_stats("w", "p", 1, stats)
     assert report.total_blocks == 8

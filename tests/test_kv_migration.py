@@ -127,7 +127,7 @@ def test_an_import_skips_held_hashes_and_writes_only_what_fits_beside_live_block
     # Those 2 are held now (and kept), 1 block is free: of the other 3, the first fits.
     assert small.import_kv(hashes, exported.blocks) == 1
     small.check_integrity()
-    assert small.pool.leading(hashes) == 3 and small.stats()["live"] == 5
+    assert small.kv.num_leading(hashes) == 3 and small.stats()["live"] == 5
     while small.has_unfinished_requests():
         small.step()
     _assert_clean(small)

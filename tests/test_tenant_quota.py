@@ -31,7 +31,7 @@ def llm() -> LLM:
 
 @pytest.fixture
 def engine(llm: LLM) -> Iterator[LLMEngine]:
-    llm.engine.pool.reset_prefix_cache()
+    llm.engine.kv.evict()
     yield llm.engine
     llm.check_integrity()
     stats = llm.stats()

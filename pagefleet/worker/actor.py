@@ -262,7 +262,7 @@ class WorkerActor:
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "block_size": self._block_size,
-            "total_blocks": int(stats.get("total", stats.get("total_blocks", 0))),
+            "total_blocks": int(stats["total"]),
             # Streams open now (running or queued): a removal waits for 0 before the kill.
             "active_streams": len(self._active),
         }

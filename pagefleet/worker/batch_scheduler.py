@@ -50,12 +50,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagefleet.worker.block_pool import BlockPool
-from pagefleet.worker.block_table import BlockTable
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.kv_cache import KVCache
+from pagefleet.worker.kv_manager import KVCacheManager
 from pagefleet.worker.lora import LoRAManager
-from pagefleet.worker.offload import KVTier, revive_offloaded
 from pagefleet.worker.preemption import (
     VictimCandidate,
     choose_mode,
@@ -105,16 +102,12 @@ class BatchScheduler:
     def __init__(
         self,
         config: EngineConfig,
-        pool: BlockPool,
-        kv: KVCache,
-        offload: KVTier | None = None,
+        kv: KVCacheManager,
         lora: LoRAManager | None = None,
     ) -> None:
         self.config = config
         self.lora = lora
-        self.pool = pool
         self.kv = kv
-        self.offload = offload
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -129,8 +122,6 @@ class BatchScheduler:
         self.swap_bytes_per_second = INITIAL_SWAP_BYTES_PER_SECOND
         self._admit_counter = 0
         self.quota = TenantBlockQuota(dict(config.tenant_max_live_blocks))
-        kv_shape = kv.tensor.shape
-        self.bytes_per_block = kv.nbytes // kv_shape[2]
 
     # ------------------------------------------------------------------ queues
 
@@ -213,10 +204,10 @@ class BatchScheduler:
             return
         cfg = self.config
         most_a_step_allocates = cfg.max_num_batched_tokens // self.block_size + 2 * cfg.max_num_seqs
-        if self.pool.stats().free >= most_a_step_allocates:
+        if self.kv.num_free >= most_a_step_allocates:
             return
         wanted: list[list[bytes]] = []
-        room = self.pool.num_blocks
+        room = self.kv.num_blocks
         for seq in self.waiting:
             hashes = seq.full_block_hashes(seq.num_tokens - 1, self.block_size)
             wanted.append(hashes)
@@ -224,7 +215,7 @@ class BatchScheduler:
             if room <= 0:
                 break
         for hashes in reversed(wanted):
-            self.pool.touch(reversed(hashes))
+            self.kv.touch(reversed(hashes))
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt lower-priority running sequences so the most important waiting one fits.
@@ -245,10 +236,10 @@ class BatchScheduler:
         bs = self.block_size
         hits = 0
         if self.config.enable_prefix_caching:
-            hits = self.pool.leading(head.full_block_hashes(head.num_tokens - 1, bs))
+            hits = self.kv.num_leading(head.full_block_hashes(head.num_tokens - 1, bs))
         n = min(head.num_tokens - hits * bs, budget)
         need = -(-(hits * bs + n) // bs)
-        blocks = need - self.pool.num_allocatable
+        blocks = need - self.kv.num_allocatable
         slots = len(self.running) + 1 - self.config.max_num_seqs
         if blocks <= 0 and slots <= 0:
             return
@@ -262,7 +253,7 @@ class BatchScheduler:
             victim = by_id[cand.request_id]
             victims.append(victim)
             assert victim.table is not None
-            blocks -= sum(1 for b in victim.table.block_ids if self.pool.ref_count(b) == 1)
+            blocks -= sum(1 for b in victim.table.block_ids if self.kv.ref_count(b) == 1)
             slots -= 1
         if blocks > 0 or slots > 0:
             return  # all of them together could not seat it
@@ -297,10 +288,10 @@ class BatchScheduler:
         assert seq.table is not None
         while True:
             needed = seq.table.blocks_needed(n)
-            if self.pool.can_allocate(needed):
+            if self.kv.can_allocate(needed):
                 return True
             candidates = _candidates([seq, *others])
-            victims = choose_victims(candidates, needed - self.pool.num_allocatable)
+            victims = choose_victims(candidates, needed - self.kv.num_allocatable)
             by_id = {s.seq_id: s for s in [seq, *others]}
             victim = by_id[victims[0]]
             self.preempt(victim)
@@ -342,9 +333,9 @@ class BatchScheduler:
                 break
             assert seq.swapped is not None
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.pool.can_allocate(-(-(seq.num_computed_tokens + n) // bs)):
+            if not self.kv.can_allocate(-(-(seq.num_computed_tokens + n) // bs)):
                 break
-            table = BlockTable(self.pool)
+            table = self.kv.new_table()
             table.append_slots(seq.num_computed_tokens)
             start = time.perf_counter()
             self.kv.swap_in(seq.swapped.handle, table.block_ids)
@@ -402,27 +393,23 @@ class BatchScheduler:
             # even if every hashed block hits, the rest of the chunk needs new blocks.
             best_computed = len(hashes) * bs
             best_n = min(seq.num_tokens - best_computed, budget)
-            if not self.pool.can_allocate(-(-best_n // bs)):
+            if not self.kv.can_allocate(-(-best_n // bs)):
                 break
             if self.quota.excess(seq.request.salt, -(-best_n // bs), self.running, self.swapped) > 0:
                 self.quota.refuse(seq.request.salt)
                 passed.append(self.waiting.popleft())
                 continue
-            table = BlockTable(self.pool)
-            hits = self.pool.lookup(hashes) if hashes else []
-            table.append_cached(hits)
-            if self.offload is not None and len(hits) < len(hashes):
-                # The pool missed: the rest of the run may be in the offload tier.
-                table.append_cached(revive_offloaded(self.pool, self.offload, hashes[len(hits) :]))
+            table = self.kv.new_table()
+            hit = self.kv.match(hashes)
+            table.append_cached(hit.block_ids)
             computed = table.num_tokens
             num_hit_blocks = len(table.block_ids)
             n = min(seq.num_tokens - computed, budget)
-            if not self.pool.can_allocate(table.blocks_needed(n)):
+            if not self.kv.can_allocate(table.blocks_needed(n)):
                 table.free()
                 break
             # Hits revived from the cache (ref count now 1) become live for the tenant too.
-            revived = sum(1 for b in hits if self.pool.ref_count(b) == 1)
-            new_live = table.blocks_needed(n) + revived
+            new_live = table.blocks_needed(n) + hit.revived
             if self.quota.excess(seq.request.salt, new_live, self.running, self.swapped) > 0:
                 table.free()
                 self.quota.refuse(seq.request.salt)
@@ -471,7 +458,7 @@ class BatchScheduler:
     def _follows_inflight(self, hashes: list[bytes], inflight: set[bytes]) -> bool:
         """Whether the first of `hashes` that is not cached yet is being computed now."""
         for h in hashes:
-            if not self.pool.is_cached(h):
+            if not self.kv.is_cached(h):
                 return h in inflight
         return False
 
@@ -481,7 +468,7 @@ class BatchScheduler:
         """Preempt a running sequence; returns the mode used ("recompute" or "swap")."""
         assert seq.table is not None and seq.status is SequenceStatus.RUNNING
         self.running.remove(seq)
-        num_bytes = len(seq.table.block_ids) * self.bytes_per_block
+        num_bytes = len(seq.table.block_ids) * self.kv.bytes_per_block
         mode = "recompute" if force_recompute else self.config.preemption_mode
         if mode == "auto":
             mode = choose_mode(

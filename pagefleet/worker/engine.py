@@ -20,16 +20,15 @@ from typing import Any
 import torch
 
 from pagefleet.worker.batch_scheduler import BatchScheduler, ScheduledSeq
-from pagefleet.worker.block_pool import BlockPool
 from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError, Grammars, TokenMatcher, mask_logits
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
-from pagefleet.worker.kv_migration import ExportedKV, export_blocks, import_blocks
+from pagefleet.worker.kv_manager import KVCacheManager
+from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
-from pagefleet.worker.offload import HostOffloadTier, TierStats
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampler import TokenHistory, sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
@@ -83,29 +82,20 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         shape = self.runner.model_shape
         num_blocks = self._num_kv_blocks(shape)
-        self.kv = KVCache(shape, num_blocks, config.block_size, config.device)
-        self.runner.bind_kv_cache(self.kv)
-        # Evicted prefix blocks spill to the offload tier (if any) instead of being lost.
-        self.offload: HostOffloadTier | None = None
-        if config.kv_offload_bytes:
-            self.offload = HostOffloadTier(
-                self.kv.transfer, config.kv_offload_bytes, config.block_size
-            )
-        self.pool = BlockPool(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            spill=self.offload.store if self.offload is not None else None,
+        # Block pool, KV tensors and offload tier: reached only through the manager.
+        self.kv = KVCacheManager(
+            KVCache(shape, num_blocks, config.block_size, config.device),
+            enable_prefix_caching=config.enable_prefix_caching,
+            offload_bytes=config.kv_offload_bytes,
         )
-        self.scheduler = BatchScheduler(config, self.pool, self.kv, self.offload, self.lora)
+        self.runner.bind_kv_cache(self.kv.cache)
+        self.scheduler = BatchScheduler(config, self.kv, self.lora)
         self.requests: dict[str, Request] = {}
         # Structured output: xgrammar's tokenizer info is built on the first such request.
         self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
         self._num_aborted = 0
-        self._kv_blocks_exported = 0
-        self._kv_blocks_imported = 0
         # The adapter of each registered hash an adapter request computed, while the pool
         # or the offload tier holds it (for `kv_event_adapters`).
         self._adapter_of: dict[bytes, str] = {}
@@ -229,10 +219,10 @@ class LLMEngine:
             )
         bs = self.config.block_size
         blocks = blocks_to_finish(len(prompt_ids), params.max_tokens, bs)
-        if blocks > self.pool.num_blocks:
+        if blocks > self.kv.num_blocks:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
-                f"{blocks} KV blocks of {bs} tokens, but the pool has only {self.pool.num_blocks}"
+                f"{blocks} KV blocks of {bs} tokens, but the pool has only {self.kv.num_blocks}"
             )
         for tok, _ in params.logit_bias:
             if tok >= self.vocab_size:
@@ -280,7 +270,7 @@ class LLMEngine:
 
     def export_kv(self, request_id: str) -> ExportedKV | None:
         """A host copy of the request's full, registered blocks with their prefix hashes,
-        to continue it on another worker (`kv_migration.export_blocks`).
+        to continue it on another worker (`KVCacheManager.export_blocks`).
 
         None when the request is unknown, has several completions (a resumed
         stream carries one), or holds no registered block (prefix caching off).
@@ -291,18 +281,13 @@ class LLMEngine:
             return None
         seq = request.sequences[0]
         hashes = seq.full_block_hashes(seq.num_tokens, self.config.block_size)
-        exported = export_blocks(self.pool, self.kv, hashes)
-        if exported is not None:
-            self._kv_blocks_exported += len(exported.block_hashes)
-        return exported
+        return self.kv.export_blocks(hashes)
 
     def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
         """Write blocks another worker exported into this pool as cached blocks under their
-        hashes (`kv_migration.import_blocks`); returns how many. A request for those
+        hashes (`KVCacheManager.import_blocks`); returns how many. A request for those
         tokens (same tenant) then hits them instead of computing them."""
-        n = import_blocks(self.pool, self.kv, block_hashes, blocks)
-        self._kv_blocks_imported += n
-        return n
+        return self.kv.import_blocks(block_hashes, blocks)
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
@@ -314,7 +299,7 @@ class LLMEngine:
         """
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        return self.pool.evict_cached(n)
+        return self.kv.evict(n)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs or waits, or an abort is still to be reported."""
@@ -330,9 +315,7 @@ class LLMEngine:
             return outputs
         # Spills and offload loads issued while scheduling finish before the
         # forward (and the copy-on-write copies) touch those blocks.
-        self.kv.transfer.wait()
-        if sched.copies:
-            self.kv.copy_blocks(sched.copies)
+        self.kv.prepare_forward(sched.copies)
         batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0],
                           context_lens=[], block_tables=[],
                           lora_slots=self._lora_slots(sched.scheduled))
@@ -476,7 +459,7 @@ class LLMEngine:
         hashes = seq.full_block_hashes(full * bs, bs)
         adapter = seq.request.adapter
         for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.table.block_ids[i], hashes[i])
+            self.kv.register(seq.table.block_ids[i], hashes[i])
             if adapter is not None:
                 self._adapter_of[hashes[i]] = adapter
         seq.num_registered_blocks = full
@@ -526,13 +509,7 @@ class LLMEngine:
         the part copied back from the offload tier.
         """
         sched = self.scheduler
-        out: dict[str, int] = dict(self.pool.stats().as_dict())
-        if self.offload is not None:
-            tier = self.offload.stats().as_dict()
-        else:
-            tier = dict.fromkeys(TierStats.__dataclass_fields__, 0)
-        out.update(tier)
-        out["prefix_hit_tokens"] += tier["offload_hit_tokens"]
+        out = self.kv.stats().as_dict()
         out.update(
             block_size=self.config.block_size,
             num_running=len(sched.running),
@@ -546,8 +523,6 @@ class LLMEngine:
             swap_used_bytes=sched.swap_used_bytes,
             cow_copies=sched.cow_copies,
             requests_aborted=self._num_aborted,
-            kv_blocks_exported=self._kv_blocks_exported,
-            kv_blocks_imported=self._kv_blocks_imported,
             lora_adapters=len(self.lora.adapters) if self.lora is not None else 0,
             lora_resident=len(self.lora.table.resident) if self.lora is not None else 0,
             lora_loads=self.lora.loads if self.lora is not None else 0,
@@ -627,9 +602,9 @@ class LLMEngine:
         for seq in [*sched.waiting, *sched.swapped]:
             shared = 0
             if self.config.enable_prefix_caching:
-                shared = self.pool.leading(seq.full_block_hashes(seq.num_tokens - 1, bs), live_only=True)
+                shared = self.kv.num_leading(seq.full_block_hashes(seq.num_tokens - 1, bs), live_only=True)
             need += -(-seq.num_tokens // bs) - shared
-        return max(0, need - self.pool.num_allocatable)
+        return max(0, need - self.kv.num_allocatable)
 
     def request_loads(self) -> list[RequestLoad]:
         """Every single-completion request, as a migration candidate (`RequestLoad`).
@@ -654,10 +629,7 @@ class LLMEngine:
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache events since the last drain: ("stored" | "removed", block hash)
         for the pool, ("offload_stored" | "offload_removed", block hash) for the tier."""
-        events = self.pool.drain_events()
-        if self.offload is not None:
-            events.extend(self.offload.drain_events())
-        return events
+        return self.kv.drain_events()
 
     def kv_event_adapters(self, events: list[tuple[str, bytes]]) -> tuple[str, ...]:
         """The LoRA adapter of each drained (or snapshot) event's block, "" for the base
@@ -668,43 +640,31 @@ class LLMEngine:
         """
         names = tuple(self._adapter_of.get(h, "") for _, h in events)
         for kind, h in events:
-            if kind.endswith("removed") and h in self._adapter_of and not self._holds(h):
+            if kind.endswith("removed") and h in self._adapter_of and not self.kv.holds(h):
                 del self._adapter_of[h]
         return names if any(names) else ()
 
-    def _holds(self, block_hash: bytes) -> bool:
-        return self.pool.is_cached(block_hash) or (
-            self.offload is not None and block_hash in self.offload
-        )
-
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """The hashes another worker of the pool also holds, by the scheduler: their
-        cached blocks are evicted before last copies (`BlockPool.mark_duplicated`)."""
-        self.pool.mark_duplicated(hashes)
+        cached blocks are evicted before last copies (`KVCacheManager.mark_duplicated`)."""
+        self.kv.mark_duplicated(hashes)
 
     def snapshot_kv(self) -> list[tuple[str, bytes]]:
         """Every held hash now as ("stored", hash) for the pool and ("offload_stored",
         hash) for the tier, and the pending KV events dropped: a receiver that
         replaces its index with this list is exactly in sync."""
-        self.drain_kv_events()
+        events = self.kv.snapshot()
         # The drain's removals are not reported: forget the adapters of what is gone.
-        self._adapter_of = {h: a for h, a in self._adapter_of.items() if self._holds(h)}
-        events = [("stored", h) for h in self.pool.registered_hashes()]
-        if self.offload is not None:
-            events.extend(("offload_stored", h) for h in self.offload.hashes())
+        self._adapter_of = {h: a for h, a in self._adapter_of.items() if self.kv.holds(h)}
         return events
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless pool and sequences agree block for block.
 
-        Every block is free, cached or live (the pool's own check), each live
-        block's ref count equals the number of running sequences holding it,
-        and the offload tier's slots are consistent (a hash there and not in
-        the pool is offloaded-only: it holds no pool block).
+        Every block is free, cached or live, each live block's ref count equals
+        the number of running sequences holding it, and the offload tier's
+        slots are consistent (`KVCacheManager.check_integrity`).
         """
-        self.pool.check_integrity()
-        if self.offload is not None:
-            self.offload.check_integrity()
         sched = self.scheduler
         holders: Counter[int] = Counter()
         for seq in sched.running:
@@ -716,10 +676,6 @@ class LLMEngine:
             holders.update(seq.table.block_ids)
         for seq in [*sched.waiting, *sched.swapped]:
             assert seq.table is None, f"{seq} holds blocks outside the running queue"
-        for block in range(self.pool.num_blocks):
-            assert self.pool.ref_count(block) == holders[block], (
-                f"block {block} has ref count {self.pool.ref_count(block)} "
-                f"but {holders[block]} sequences hold it"
-            )
+        self.kv.check_integrity(holders)
         swap_bytes = sum(s.swapped.num_bytes for s in sched.swapped if s.swapped is not None)
         assert swap_bytes == sched.swap_used_bytes, "swap space accounting is off"

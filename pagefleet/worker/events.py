@@ -332,19 +332,15 @@ class LoadReport:
         kv_import_s_per_block: float = 0.0,
         resident_adapters: Iterable[str] = (),
     ) -> LoadReport:
-        """Build a report from ``LLMEngine.stats()``.
-
-        Accepts both the pool's short names (``total``, ``free``...) and the
-        ``*_blocks`` spellings, and preemptions either as a per-mode mapping or
-        as ``preemptions_<mode>`` keys, so the report does not break when the
-        engine's stats dict grows.
+        """Build a report from ``LLMEngine.stats()``: the keys of ``KVStats.as_dict()``
+        (``total``, ``free``...) and the engine's queue counters, 0 for a key it
+        lacks; preemptions either as a per-mode mapping or as
+        ``preemptions_<mode>`` keys.
         """
 
-        def pick(*names: str, default: int = 0) -> int:
-            for name in names:
-                if name in stats and stats[name] is not None:
-                    return int(stats[name])
-            return default
+        def pick(name: str) -> int:
+            value = stats.get(name)
+            return 0 if value is None else int(value)
 
         raw_preemptions = stats.get("preemptions")
         if isinstance(raw_preemptions, Mapping):
@@ -364,13 +360,13 @@ class LoadReport:
             pool=pool,
             seq=seq,
             timestamp=time.time() if timestamp is None else timestamp,
-            total_blocks=pick("total", "total_blocks", "num_blocks"),
-            free_blocks=pick("free", "free_blocks"),
-            live_blocks=pick("live", "live_blocks"),
-            cached_blocks=pick("cached", "cached_blocks"),
-            peak_live_blocks=pick("peak_live", "peak_live_blocks"),
-            num_running=pick("num_running", "running"),
-            num_waiting=pick("num_waiting", "waiting"),
+            total_blocks=pick("total"),
+            free_blocks=pick("free"),
+            live_blocks=pick("live"),
+            cached_blocks=pick("cached"),
+            peak_live_blocks=pick("peak_live"),
+            num_running=pick("num_running"),
+            num_waiting=pick("num_waiting"),
             tenant_live_blocks=dict(tenant_live_blocks or stats.get("tenant_live_blocks") or {}),
             tenant_cap_refusals=dict(tenant_cap_refusals or {}),
             preemptions=preemptions,

@@ -1,9 +1,10 @@
 """Moving a request's KV blocks to another worker (migration by transfer), without Ray.
 
 The source copies the request's full, registered blocks (every layer, K and
-V) out of its pool with their chained prefix hashes (`export_blocks`); the
-target writes them into blocks of its own pool and registers them as cached
-blocks under the same hashes (`import_blocks`). The request then resumes on
+V) out of its pool with their chained prefix hashes
+(`KVCacheManager.export_blocks`, giving an `ExportedKV`); the target writes
+them into blocks of its own pool and registers them as cached blocks under
+the same hashes (`KVCacheManager.import_blocks`). The request then resumes on
 the target as prompt + streamed tokens and its prefix lookup hits every
 imported block, so only the partial tail block is recomputed.
 
@@ -28,8 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagefleet.worker.block_pool import BlockPool
-from pagefleet.worker.kv_cache import KVCache, parse_dtype
+from pagefleet.worker.kv_cache import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -43,53 +43,6 @@ class ExportedKV:
     @property
     def dtype_name(self) -> str:
         return str(self.blocks.dtype).removeprefix("torch.")
-
-
-def export_blocks(pool: BlockPool, kv: KVCache, hashes: Sequence[bytes]) -> ExportedKV | None:
-    """A host copy of the leading run of `hashes` registered in `pool` (live or cached);
-    None when not even the first is. The blocks themselves are untouched."""
-    n = pool.leading(hashes)
-    if n == 0:
-        return None
-    block_ids = [pool.block_of(h) for h in hashes[:n]]
-    return ExportedKV(tuple(hashes[:n]), kv.swap_out(block_ids))
-
-
-def import_blocks(
-    pool: BlockPool, kv: KVCache, hashes: Sequence[bytes], blocks: torch.Tensor
-) -> int:
-    """Write exported `blocks` into `pool` as cached blocks (ref count 0) under `hashes`;
-    returns how many were written.
-
-    Hashes the pool holds already are skipped (its own copy serves). The
-    blocks come from the pool's free list, evicting cached blocks (least
-    recently used first) when it runs out, as an admission would, but never
-    the leading run of `hashes` this pool holds itself, and never a live
-    block: when the room is short, the leading part of the run that fits is
-    written. Raises ValueError when the blocks do not fit this pool's layout.
-    """
-    expected = (len(hashes), *kv.transfer.block_shape)
-    if tuple(blocks.shape) != expected or blocks.dtype != kv.tensor.dtype:
-        raise ValueError(
-            f"KV blocks of shape {tuple(blocks.shape)} and dtype {blocks.dtype} do not fit "
-            f"this pool: expected {expected} and {kv.tensor.dtype}"
-        )
-    if not pool.enable_prefix_caching:
-        return 0
-    own = pool.leading(hashes)
-    pool.touch(hashes[:own])  # the cached ones among them are evicted after everything else
-    kept = sum(1 for h in hashes[:own] if not pool.is_live(h))
-    todo = [i for i in range(own, len(hashes)) if not pool.is_cached(hashes[i])]
-    todo = todo[: max(0, pool.num_allocatable - kept)]
-    if not todo:
-        return 0
-    block_ids = pool.allocate(len(todo))
-    kv.swap_in(blocks[todo], block_ids)
-    for block_id, i in zip(block_ids, todo, strict=True):
-        pool.register(block_id, hashes[i])
-    # Tail first: the run's first blocks are evicted last, as for a finished request.
-    pool.free(reversed(block_ids))
-    return len(block_ids)
 
 
 def to_bytes(blocks: torch.Tensor) -> np.ndarray:

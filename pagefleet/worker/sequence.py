@@ -39,7 +39,7 @@ class SequenceStatus(enum.Enum):
 class SwappedKV:
     """Blocks of a sequence parked in the CPU swap space."""
 
-    handle: Any  # what KVCache.swap_out returned
+    handle: Any  # what KVCacheManager.swap_out returned
     num_blocks: int
     num_bytes: int
 
