@@ -61,7 +61,7 @@ from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
 from pagefleet.cluster.errors import AlreadyExists
 from pagefleet.cluster.fleet_view import FleetView, RouteSharer
 from pagefleet.cluster.metrics import IngressMetrics
-from pagefleet.cluster.prompts import Prompts, check_length
+from pagefleet.cluster.prompts import Prompts, check_length, check_n
 from pagefleet.cluster.request_run import RequestRun
 from pagefleet.cluster.router import Router
 from pagefleet.cluster.status import PoolStatus
@@ -202,6 +202,7 @@ class Ingress:
         key = scoped_request_id(tenant.name, request_id)
         if key in self._running or self.admission.is_waiting(key):
             raise AlreadyExists(f"request_id {request_id!r} is already running")
+        check_n(params, self.config.server.max_n)
         prompt_ids = await self._prompts.token_ids(pool, prompt)
         check_length(pool, prompt_ids, params)
         adapter_id = None if resolved.adapter is None else self._prompts.adapter_id(pool, resolved.adapter)
