@@ -703,13 +703,6 @@ def test_n_above_the_servers_limit_is_400_naming_it(http: httpx.Client) -> None:
     assert "n must be at most 16 (server.max_n" in _error(r, 400)["message"]
 
 
-def test_n_completions_that_cannot_fit_the_pool_are_400_naming_n(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 8, "max_tokens": 900})
-    message = _error(r, 400)["message"]
-    assert "max_tokens 900 for each of n=8 completions needs" in message
-    assert f"the pool has only {NUM_KV_BLOCKS}" in message
-
-
 def test_tools_on_a_model_without_a_chat_template_are_400(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER]})
     assert "tools are not supported by this model: it has no chat template" in _error(r, 400)["message"]

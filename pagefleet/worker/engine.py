@@ -228,13 +228,11 @@ class LLMEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         bs = self.config.block_size
-        # Its n completions share the prompt's full blocks and each needs its own after them.
-        blocks = request_claim(len(prompt_ids), params.max_tokens, params.n, bs)
+        blocks = blocks_to_finish(len(prompt_ids), params.max_tokens, bs)
         if blocks > self.pool.num_blocks:
-            completions = f" for each of n={params.n} completions" if params.n > 1 else ""
             raise RequestError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens}{completions} "
-                f"needs {blocks} KV blocks of {bs} tokens, but the pool has only {self.pool.num_blocks}"
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} needs "
+                f"{blocks} KV blocks of {bs} tokens, but the pool has only {self.pool.num_blocks}"
             )
         for tok, _ in params.logit_bias:
             if tok >= self.vocab_size:
