@@ -17,8 +17,9 @@ replica routes on one cluster-wide view, kept fresh asynchronously.
 Faults (`RequestRun`): when a worker dies mid-stream, the request is re-submitted to
 another live worker of the same pool as prompt + the tokens already streamed
 (recompute), with `max_tokens` reduced by what was streamed; the client's
-stream simply continues. Greedy output is unchanged by the failover. The
-same happens when the scheduler takes a worker out of routing while it holds
+stream simply continues (a request of `n` completions that streamed apart goes
+on as one continuation per unfinished completion). Greedy output is unchanged
+by the failover. The same happens when the scheduler takes a worker out of routing while it holds
 streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
 the streams move by recompute, and the hung copies are aborted, so their
 blocks are freed as soon as the worker wakes. A stream the scheduler moves

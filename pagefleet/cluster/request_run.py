@@ -7,6 +7,12 @@ worker of the pool and recomputes prompt + the tokens already streamed, with
 `max_tokens` reduced by what was streamed; when the scheduler hands the
 stream off (`Migrated`), it moves to the named target, with the KV blocks
 when the source exported them for it. The client's stream simply continues.
+
+A request of `n` completions runs as one worker request (one prefill, forked
+decodes), a `_Leg` carrying all of them. When that leg must move after some
+completion streamed, each unfinished completion goes on as a leg of its own
+(n=1, resumed from its own output so far); the legs stream concurrently and
+their deltas are merged under the completions' indices.
 Whatever way the run ends, its worker is told to free the request's blocks
 and admission hands the room to the next waiting request.
 """
@@ -401,13 +407,14 @@ class RequestRun:
         if self._metrics is None:
             return
         now, first = time.monotonic(), self._first_token_at
-        num_tokens = self._completion_tokens()
+        # The completions decode side by side: the time per token is the longest one's.
+        longest = max(len(tokens) for tokens in self._outputs)
         self._metrics.observe_request(
             self.pool.name,
             ttft_s=None if first is None else first - self._started,
             e2e_s=now - self._started,
-            tpot_s=(now - first) / (num_tokens - 1) if first is not None and num_tokens > 1 else None,
-            adapter=self.req.adapter, tokens=num_tokens,
+            tpot_s=(now - first) / (longest - 1) if first is not None and longest > 1 else None,
+            adapter=self.req.adapter, tokens=self._completion_tokens(),
         )
 
     # ----- the worker's stream ------------------------------------------
