@@ -182,8 +182,23 @@ class RequestRun:
     async def _leg_deltas(self, leg: _Leg) -> AsyncGenerator[StreamDelta | list[_Leg], None]:
         """One leg's deltas to the end of its completions, moved when its worker fails or
         hands it off; a list of legs when it goes on as those instead."""
+        migrated: Migrated | None = None
+        moving = False  # its last attempt failed or was handed off
         while True:
-            migrated: Migrated | None = None
+            # Completions that end without a worker: aborted (also before the leg
+            # reached one), or max_tokens reached before the move.
+            for index in self._open(leg):
+                if self.aborted or len(self._outputs[index]) >= self.req.params.max_tokens:
+                    yield self._end(index, "abort" if self.aborted else "length", leg.slot.worker_id)
+            if not self._open(leg):
+                leg.done = True
+                return
+            if moving:
+                moved = self._move(leg, migrated)
+                if isinstance(moved, list):
+                    yield moved
+                    return
+            migrated, moving = None, True
             try:
                 async with contextlib.aclosing(self._attempt(leg)) as attempt:
                     async for delta in attempt:
@@ -204,17 +219,6 @@ class RequestRun:
                 leg.tried.discard(leg.slot.worker_id)
             except (*WORKER_FAILURES, WorkerLeftRouting) as exc:
                 self._worker_failed(leg, exc)
-            # Completions that end here: aborted, or max_tokens reached before the move.
-            for index in self._open(leg):
-                if self.aborted or len(self._outputs[index]) >= self.req.params.max_tokens:
-                    yield self._end(index, "abort" if self.aborted else "length", leg.slot.worker_id)
-            if not self._open(leg):
-                leg.done = True
-                return
-            moved = self._move(leg, migrated)
-            if isinstance(moved, list):
-                yield moved
-                return
 
     async def _attempt(self, leg: _Leg) -> AsyncGenerator[StreamDelta, None]:
         """Stream one leg from its worker: prompt + its output so far, for the tokens left."""
