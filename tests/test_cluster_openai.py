@@ -146,6 +146,7 @@ def test_parse_reads_tools_and_leaves_them_out_under_tool_choice_none() -> None:
     assert (tool.name, tool.description) == ("get_weather", "The weather in a city")
     assert tool.to_template() == WEATHER
     assert parse_request({**body, "tool_choice": "none"}, chat=True).tools == ()
+    assert parse_request({"messages": body["messages"]}, chat=True).tools == ()
 
 
 @pytest.mark.parametrize(

@@ -278,7 +278,7 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None
+    tools: Any = Field(default=None, validate_default=True)
     tool_choice: Any = None
 
     chat: ClassVar[bool] = True
