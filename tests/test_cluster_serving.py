@@ -322,6 +322,16 @@ BAD_REQUESTS = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "temperature",
     ),
+    "n above server.max_n": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(n=17)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "n must be at most 16 (server.max_n",
+    ),
+    "negative n": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(n=-1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "n must be an integer >= 1",
+    ),
     "top_p above 1": (
         pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)),
         grpc.StatusCode.INVALID_ARGUMENT,
