@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import socket
 import time
@@ -97,9 +98,96 @@ def test_parse_takes_vllms_priority_extension_and_checks_its_type() -> None:
         parse_request({"prompt": "Hello", "priority": "high"}, chat=False)
 
 
-def test_parse_rejects_n_above_one_saying_so() -> None:
-    with pytest.raises(IngressError, match="n must be 1"):
-        parse_request({"prompt": "Hello", "n": 2}, chat=False)
+def test_parse_takes_n_as_the_completions_to_generate_and_return() -> None:
+    parsed = parse_request({"prompt": "Hello", "n": 3}, chat=False)
+    assert (parsed.params.n, parsed.choices, parsed.params.logprobs) == (3, 3, None)
+    with pytest.raises(IngressError, match=r"n must be an integer >= 1, got 0"):
+        parse_request({"prompt": "Hello", "n": 0}, chat=False)
+
+
+def test_parse_generates_best_of_candidates_with_logprobs_to_rank_them() -> None:
+    parsed = parse_request({"prompt": "Hello", "n": 2, "best_of": 4}, chat=False)
+    assert (parsed.params.n, parsed.choices, parsed.params.logprobs) == (4, 2, 0)
+    assert not parsed.return_logprobs
+    asked = parse_request({"prompt": "Hello", "best_of": 3, "logprobs": 2}, chat=False)
+    assert (asked.params.logprobs, asked.return_logprobs) == (2, True)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 3, "best_of": 2}, r"best_of must be in \[n, 8\] \(n = 3\), got 2"),
+        ({"best_of": 9}, r"best_of must be in \[n, 8\] \(n = 1\), got 9"),
+        ({"best_of": 2, "stream": True}, r"best_of cannot be used with stream: true"),
+    ],
+)
+def test_parse_refuses_best_of_below_n_above_its_limit_or_streamed(fields: dict, message: str) -> None:
+    with pytest.raises(IngressError, match=message):
+        parse_request({"prompt": "Hello", **fields}, chat=False)
+
+
+def test_parse_refuses_best_of_on_chat_naming_the_endpoint() -> None:
+    with pytest.raises(IngressError, match=r"best_of is not supported by this server on /v1/chat/completions"):
+        parse_request({"messages": [{"role": "user", "content": "Hi"}], "best_of": 2}, chat=True)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}  # fmt: skip
+
+
+def test_parse_reads_tools_and_leaves_them_out_under_tool_choice_none() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], "tool_choice": "auto"}
+    (tool,) = parse_request(body, chat=True).tools
+    assert (tool.name, tool.description) == ("get_weather", "The weather in a city")
+    assert tool.to_template() == WEATHER
+    assert parse_request({**body, "tool_choice": "none"}, chat=True).tools == ()
+    assert parse_request({"messages": body["messages"]}, chat=True).tools == ()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tools": [{"type": "retrieval"}]}, r'tools\[0\] must be \{"type": "function"'),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+         r"tools\[0\].function.name must be 1 to 64 letters, digits, '_' or '-', got 'a b'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+         r"tools\[0\].function.parameters must be a JSON schema object"),
+        ({"tools": [WEATHER] * 129}, r"tools may list at most 128 functions, got 129"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * 70000}}]},
+         r"tools are \d+ bytes as JSON; at most 65536 are allowed"),
+        ({"tool_choice": "required"}, r"tool_choice 'required' is not supported by this server"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+         r"tool_choice \{.*\} is not supported by this server"),
+    ],
+)  # fmt: skip
+def test_parse_refuses_malformed_tools_and_a_tool_choice_it_cannot_honour(
+    fields: dict, message: str
+) -> None:
+    with pytest.raises(IngressError, match=message):
+        parse_request({"messages": [{"role": "user", "content": "Hi"}], **fields}, chat=True)
+
+
+def test_tools_go_to_a_chat_template_that_renders_them_and_are_refused_by_one_that_does_not(
+    offline: LLM,
+) -> None:
+    tokenizer = copy.deepcopy(offline.tokenizer)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}tool {{ t.function.name }}: {{ t.function.description }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    parsed = parse_request({"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER]}, chat=True)
+    ids = chat_prompt(parsed.prompt, tokenizer, parsed.tools)  # type: ignore[arg-type]
+    assert tokenizer.decode(ids) == "tool get_weather: The weather in a city\nuser: Hi\nassistant:"
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(IngressError, match="its chat template does not render tools"):
+        chat_prompt(parsed.prompt, tokenizer, parsed.tools)  # type: ignore[arg-type]
+    with pytest.raises(IngressError, match="it has no chat template"):
+        chat_prompt(parsed.prompt, offline.tokenizer, parsed.tools)  # type: ignore[arg-type]
 
 
 def test_parse_rejects_a_batch_of_two_prompts() -> None:
@@ -417,6 +505,96 @@ def test_chat_stream_has_openai_chunk_shape(http: httpx.Client, offline: LLM) ->
     assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
 
 
+# ----- n, best_of (the official openai client) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> Any:
+    openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+    return openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key=KEY_ACME, timeout=120)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_n_sampled_completions_are_choices_0_to_n_with_usage_summed(client: Any) -> None:
+    reply = client.completions.create(
+        model="default", prompt=PROMPT, n=3, temperature=0.8, seed=7, max_tokens=12, logprobs=1
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) > 1, "sampled completions should differ"
+    tokens = [len(c.logprobs.tokens) for c in reply.choices]
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
+    assert reply.usage.completion_tokens == sum(tokens)
+    single = client.completions.create(model="default", prompt=PROMPT, max_tokens=1, temperature=0)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_n_greedy_completions_all_equal_the_single_completion(client: Any, offline: LLM) -> None:
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=12))[0]
+    reply = client.completions.create(model="default", prompt=PROMPT, n=3, temperature=0, max_tokens=12)
+    assert [c.text for c in reply.choices] == [want.text] * 3
+    assert [c.finish_reason for c in reply.choices] == [want.finish_reason] * 3
+    assert reply.usage.completion_tokens == 3 * len(want.token_ids)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_n_streamed_completions_interleave_and_reassemble_to_the_whole_answer(client: Any) -> None:
+    fields = {"model": "default", "prompt": PROMPT, "n": 3, "temperature": 0.8, "seed": 11,
+              "max_tokens": 16}  # fmt: skip
+    whole = client.completions.create(**fields)
+    texts, reasons = ["", "", ""], [None, None, None]
+    order = []
+    stream = client.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert reasons[c.index] is None, f"choice {c.index} streamed after its finish_reason"
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason
+            order.append(c.index)
+    assert texts == [c.text for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert order != sorted(order), "the choices' chunks should interleave"
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_chat_n_streams_each_choice_from_its_role_to_its_finish_reason(client: Any) -> None:
+    fields = {"model": "default", "messages": CHAT, "n": 2, "temperature": 0.8, "seed": 5,
+              "max_tokens": 10}  # fmt: skip
+    whole = client.chat.completions.create(**fields)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts, roles, reasons = ["", ""], [None, None], [None, None]
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for c in chunk.choices:
+            roles[c.index] = roles[c.index] or c.delta.role
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = reasons[c.index] or c.finish_reason
+    assert roles == ["assistant", "assistant"]
+    assert texts == [c.message.content for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(client: Any) -> None:
+    fields = {"model": "default", "prompt": PROMPT, "temperature": 1.0, "seed": 3, "max_tokens": 8}
+    # best_of candidates are the n completions of the same seed: rank them here.
+    every = client.completions.create(**fields, n=4, logprobs=0).choices
+    ranked = sorted(every, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(**fields, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in best.choices), "logprobs were not asked for"
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)
+
+
+def test_best_of_with_stream_is_400(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "best_of": 2, "stream": True})
+    assert "best_of cannot be used with stream: true" in _error(r, 400)["message"]
+
+
 # ----- models, health, auth -------------------------------------------------------
 
 
@@ -521,9 +699,14 @@ def test_empty_prompt_is_400(http: httpx.Client) -> None:
     assert "prompt is empty" in _error(r, 400)["message"]
 
 
-def test_n_above_one_is_400(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
-    assert "n must be 1" in _error(r, 400)["message"]
+def test_n_above_the_servers_limit_is_400_naming_it(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 17})
+    assert "n must be at most 16 (server.max_n" in _error(r, 400)["message"]
+
+
+def test_tools_on_a_model_without_a_chat_template_are_400(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER]})
+    assert "tools are not supported by this model: it has no chat template" in _error(r, 400)["message"]
 
 
 def test_logit_bias_outside_the_vocabulary_is_400_naming_its_size(http: httpx.Client) -> None:

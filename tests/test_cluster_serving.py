@@ -139,6 +139,30 @@ def test_grpc_streams_equal_offline_generate(target: str, offline: LLM) -> None:
         assert got[-1].usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def _by_index(messages: list[pb.GenerateResponse], n: int) -> tuple[list[list[int]], list[list[str]]]:
+    """Each completion's tokens, and the finish reasons of its messages (non-empty only)."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[list[str]] = [[] for _ in range(n)]
+    for m in messages:
+        tokens[m.index].extend(m.token_ids)
+        if m.finish_reason:
+            reasons[m.index].append(m.finish_reason)
+    return tokens, reasons
+
+
+def test_grpc_n_streams_each_completion_by_index_to_its_own_finish_reason(
+    target: str, offline: LLM
+) -> None:
+    want = offline.generate(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    got = generate(target, PROMPTS[0], max_tokens=12, ignore_eos=True, n=2)
+    tokens, reasons = _by_index(got, 2)
+    assert tokens == [want.token_ids, want.token_ids]
+    assert reasons == [["length"], ["length"]]
+    assert {m.index for m in got[:-1]} == {0, 1} and got[-1].finish_reason
+    assert got[-1].usage.completion_tokens == 2 * len(want.token_ids)
+    assert got[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
 def test_token_id_prompt_equals_text_prompt(target: str, offline: LLM) -> None:
     ids = offline.tokenizer.encode(PROMPTS[0])
     assert tokens_of(generate(target, ids, max_tokens=8)) == tokens_of(
@@ -297,6 +321,16 @@ BAD_REQUESTS = {
         pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1.0)),
         grpc.StatusCode.INVALID_ARGUMENT,
         "temperature",
+    ),
+    "n above server.max_n": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(n=17)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "n must be at most 16 (server.max_n",
+    ),
+    "negative n": (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(n=-1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "n must be an integer >= 1",
     ),
     "top_p above 1": (
         pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)),
@@ -605,6 +639,31 @@ def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
     assert tokens_of(got) == want.token_ids
     assert got[-1].finish_reason == "length"
     assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
+    wait_for(
+        lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
+    )
+
+
+def test_a_worker_killed_mid_stream_of_n_2_resumes_each_completion_with_the_no_fault_output(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    """Each completion goes on from its own output so far (as an n=1 continuation)."""
+    prompt = "A worker dies while two completions stream"
+    max_tokens = MAX_MODEL_LEN - 20
+    want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    channel, it = open_stream(target, prompt, max_tokens=max_tokens, ignore_eos=True, n=2)
+    with channel:
+        got = [next(it)]
+        while not got[-1].token_ids:
+            got.append(next(it))
+        victim = got[-1].worker_id
+        ray.kill(cluster.worker_handle(victim), no_restart=False)
+        got += list(it)
+    tokens, reasons = _by_index(got, 2)
+    assert tokens == [want.token_ids, want.token_ids]
+    assert reasons == [["length"], ["length"]]
+    assert got[-1].worker_id != victim, "the streams should have moved to the other worker"
+    assert got[-1].usage.completion_tokens == 2 * max_tokens
     wait_for(
         lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
     )

@@ -67,6 +67,24 @@ def test_openai_client_with_any_key_gets_the_answer_and_stop(client: openai.Open
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_openai_client_n_greedy_answers_are_the_same_answer_each_with_stop(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="default", messages=QUESTION, temperature=0, max_tokens=24, n=2  # type: ignore[arg-type]
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content == reply.choices[1].message.content
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+
+
+def test_tools_are_refused_by_smollm2s_template_which_renders_none(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "function": {"name": "capital_of", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="its chat template does not render tools"):
+        client.chat.completions.create(
+            model="default", messages=QUESTION, max_tokens=4, tools=[tool]  # type: ignore[arg-type, list-item]
+        )
+
+
 def test_open_server_needs_no_key_at_all(cluster: RunningCluster) -> None:
     body = {"messages": QUESTION, "temperature": 0, "max_tokens": 24}
     r = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=120)

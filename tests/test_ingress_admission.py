@@ -10,13 +10,15 @@ import asyncio
 from collections.abc import Mapping
 
 from pagefleet.cluster.admission import Waiter
-from pagefleet.cluster.api import GenerationRequest
+from pagefleet.cluster.api import GenerationRequest, scoped_request_id
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.ingress import Ingress
+from pagefleet.cluster.request_run import worker_request_id
 from pagefleet.cluster.worker_slots import WorkerSlot
 from pagefleet.scheduler.messages import ViewUpdate, WorkerDelta
 from pagefleet.worker.events import LoadReport, WorkerInfo
 from pagefleet.worker.sampling_params import SamplingParams
+from pagefleet.worker.wire import origin_of
 
 # 3 prompt tokens + 64 max_tokens = 66 tokens written: 5 blocks of 16.
 CLAIM = 5
@@ -156,3 +158,39 @@ def test_the_wait_queue_serves_higher_priority_first() -> None:
         assert high.future.result() is running and not low.future.done()
 
     asyncio.run(scenario())
+
+
+def test_full_admission_claims_the_blocks_of_every_completion_of_n() -> None:
+    async def scenario() -> None:
+        ingress = one_worker("full")
+        two = GenerationRequest("r0", (1, 2, 3), SamplingParams(max_tokens=64, n=2), pool="a")
+        slot = admit(ingress, two)
+        assert isinstance(slot, WorkerSlot)
+        # The prompt shares no full block: each completion claims its own 5 blocks.
+        assert slot.claims[two.key].blocks == 2 * CLAIM
+        assert isinstance(admit(ingress, request("r1")), Waiter)
+
+    asyncio.run(scenario())
+
+
+def test_a_split_request_leaves_one_claim_per_continuation_in_place_of_its_own() -> None:
+    async def scenario() -> None:
+        ingress = one_worker("full")
+        two = GenerationRequest("r0", (1, 2, 3), SamplingParams(max_tokens=64, n=2), pool="a")
+        slot = admit(ingress, two)
+        assert isinstance(slot, WorkerSlot)
+        # Completion 0 streamed 30 tokens (34 left), completion 1 streamed 2 (62 left).
+        parts = [(f"{two.key}#0", [1, 2, 3, *range(30)], 34), (f"{two.key}#1", [1, 2, 3, 7, 8], 62)]
+        moved = ingress.admission.split(slot, two.key, 0, parts, None, exclude=[])
+        assert moved == [slot, slot]
+        assert {key: c.blocks for key, c in slot.claims.items()} == {f"{two.key}#0": 5, f"{two.key}#1": 5}
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_is_known_at_the_workers_as_the_replica_that_sent_it() -> None:
+    # A worker's claims per replica (`LoadReport.origin_claims`) read it from the id.
+    key = scoped_request_id("t", "a@b#1")  # client ids may hold "@" and "#"
+    assert origin_of(worker_request_id(key, "r1")) == "r1"
+    assert origin_of(f"{worker_request_id(key, 'r1')}#1") == "r1"
+    assert origin_of("no-origin") == ""

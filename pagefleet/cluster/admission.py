@@ -211,6 +211,25 @@ class Admission:
         self.dispatch(slot.pool)
         return moved
 
+    def split(
+        self, slot: WorkerSlot, key: str, priority: int,
+        parts: Sequence[tuple[str, Sequence[int], int]], salt: str | None,
+        exclude: Sequence[str] | set[str],
+    ) -> list[WorkerSlot]:
+        """Move the request `key` running at `slot` as separate continuations (failover of
+        a request whose completions streamed apart): each `(claim key, token ids, max_tokens
+        left)` part routed to a live worker now, room or not, with a claim of its own (one
+        completion to its max_tokens) in place of the request's."""
+        slot.claims.pop(key, None)
+        block_size = self.config.pool(slot.pool).engine.block_size
+        moved = []
+        for part_key, token_ids, max_tokens in parts:
+            target = self.route(slot.pool, token_ids, salt, exclude)
+            target.claims[part_key] = Claim(priority, full_claim(len(token_ids), max_tokens, 1, block_size))
+            moved.append(target)
+        self.dispatch(slot.pool)
+        return moved
+
     # ----- routing ------------------------------------------------------
 
     def route(

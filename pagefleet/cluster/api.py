@@ -128,7 +128,9 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """New tokens of one request since the previous delta; the last one has `finish_reason`."""
+    """New tokens of one completion (`index`, of the request's `n`) since its previous
+    delta; each completion's last delta has its `finish_reason`. `completion_tokens`
+    counts the tokens of every completion so far (the request's last delta: the total)."""
 
     request_id: str
     token_ids: list[int]
@@ -140,6 +142,7 @@ class StreamDelta:
     cached_tokens: int = 0
     # With SamplingParams.logprobs: [token_id, logprob, [[id, logprob], ...]] per token.
     logprobs: list[Any] | None = None
+    index: int = 0
 
 
 def api_key_from_metadata(metadata: Sequence[tuple[str, Any]] | None) -> str | None:

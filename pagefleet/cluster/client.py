@@ -17,10 +17,10 @@ import grpc
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
-# Fields of SamplingParams that the wire message carries; `n` does not travel
-# (one stream is one sequence).
+# Fields of SamplingParams that the wire message carries.
 _SAMPLING_FIELDS = (
     "max_tokens",
+    "n",
     "temperature",
     "top_p",
     "top_k",

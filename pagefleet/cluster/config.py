@@ -65,6 +65,10 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_WORKER_ADD_TIMEOUT_S = 300.0
 DEFAULT_WORKER_DRAIN_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+# Completions per request (`n`): each is a sequence decoding in the worker's batch, so
+# one request must not take the batch over. `server.max_n` may raise it up to MAX_N.
+DEFAULT_MAX_N = 16
+MAX_N = 128
 
 
 class ConfigError(ValueError):
@@ -542,7 +546,8 @@ class ServerConfig(Section):
     message gets RESOURCE_EXHAUSTED), `max_body_bytes` the HTTP request body
     limit (413). An HTTP connection must send its request headers within
     `header_timeout_s` and its body within `body_timeout_s` (408), and is
-    closed after `idle_timeout_s` without a request.
+    closed after `idle_timeout_s` without a request. `max_n`: the most completions
+    one request may ask for (`n`, HTTP `best_of`; INVALID_ARGUMENT above it).
 
     `drain_timeout_s`: on SIGINT/SIGTERM/SIGHUP the server stops accepting and lets
     running streams finish for at most this long. `health_details`: HTTP
@@ -588,6 +593,7 @@ class ServerConfig(Section):
     ingress_downscale_delay_s: Seconds = 300.0
     health_details: bool = False
     gcs_fault_tolerance: bool = False
+    max_n: Annotated[int, Field(ge=1, le=MAX_N)] = DEFAULT_MAX_N
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

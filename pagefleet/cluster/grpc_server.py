@@ -48,7 +48,7 @@ UNREQUESTED_CALL_LIMIT_S = 3600
 def request_from_proto(msg: pb.GenerateRequest) -> Submission:
     """Validate a wire request; raises `InvalidArgument` with the reason.
 
-    Proto3 cannot tell an unset number from 0: `max_tokens`, `top_p` and
+    Proto3 cannot tell an unset number from 0: `max_tokens`, `n`, `top_p` and
     `repetition_penalty` 0 mean unset (the defaults of `sampling_params`), as do an absent `seed`
     and `logprobs`.
     """
@@ -61,6 +61,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> Submission:
     s = msg.sampling
     params = sampling_params(
         max_tokens=s.max_tokens or None,
+        n=s.n or None,
         temperature=s.temperature,
         top_p=s.top_p or None,
         top_k=s.top_k,
@@ -97,6 +98,7 @@ def delta_to_proto(delta: StreamDelta) -> pb.GenerateResponse:
         text=delta.text,
         finish_reason=delta.finish_reason or "",
         worker_id=delta.worker_id,
+        index=delta.index,
     )
     for token_id, logprob, top in delta.logprobs or ():
         entry = msg.logprobs.add(token_id=token_id, logprob=logprob)

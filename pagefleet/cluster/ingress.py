@@ -17,8 +17,9 @@ replica routes on one cluster-wide view, kept fresh asynchronously.
 Faults (`RequestRun`): when a worker dies mid-stream, the request is re-submitted to
 another live worker of the same pool as prompt + the tokens already streamed
 (recompute), with `max_tokens` reduced by what was streamed; the client's
-stream simply continues. Greedy output is unchanged by the failover. The
-same happens when the scheduler takes a worker out of routing while it holds
+stream simply continues (a request of `n` completions that streamed apart goes
+on as one continuation per unfinished completion). Greedy output is unchanged
+by the failover. The same happens when the scheduler takes a worker out of routing while it holds
 streams here (hung: work but no progress for `scheduler.stall_timeout_s`):
 the streams move by recompute, and the hung copies are aborted, so their
 blocks are freed as soon as the worker wakes. A stream the scheduler moves
@@ -61,7 +62,7 @@ from pagefleet.cluster.config import ClusterConfig, PoolConfig, TenantConfig
 from pagefleet.cluster.errors import AlreadyExists
 from pagefleet.cluster.fleet_view import FleetView, RouteSharer
 from pagefleet.cluster.metrics import IngressMetrics
-from pagefleet.cluster.prompts import Prompts, check_length
+from pagefleet.cluster.prompts import Prompts, check_length, check_n
 from pagefleet.cluster.request_run import RequestRun
 from pagefleet.cluster.router import Router
 from pagefleet.cluster.status import PoolStatus
@@ -202,6 +203,7 @@ class Ingress:
         key = scoped_request_id(tenant.name, request_id)
         if key in self._running or self.admission.is_waiting(key):
             raise AlreadyExists(f"request_id {request_id!r} is already running")
+        check_n(params, self.config.server.max_n)
         prompt_ids = await self._prompts.token_ids(pool, prompt)
         check_length(pool, prompt_ids, params)
         adapter_id = None if resolved.adapter is None else self._prompts.adapter_id(pool, resolved.adapter)

@@ -104,6 +104,15 @@ def check_token_ids(prompt: Sequence[int]) -> list[int]:
     return ids
 
 
+def check_n(params: SamplingParams, max_n: int) -> None:
+    """INVALID_ARGUMENT for more completions than `server.max_n` allows."""
+    if params.n > max_n:
+        raise InvalidArgument(
+            f"n must be at most {max_n} (server.max_n; on /v1/completions best_of counts), "
+            f"got {params.n}"
+        )
+
+
 def check_length(pool: PoolConfig, prompt_ids: list[int], params: SamplingParams) -> None:
     """INVALID_ARGUMENT for an empty prompt, or one that cannot fit with its max_tokens."""
     if not prompt_ids:

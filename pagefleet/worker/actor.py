@@ -45,7 +45,7 @@ from pagefleet.worker.config import EngineConfig
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.kv_migration import ExportedKV, from_bytes, to_bytes
-from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest
+from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest, origin_of
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +392,7 @@ class WorkerActor:
     def _abort_orphans(self, dead_replicas: set[str]) -> None:
         """Abort the requests a dead ingress replica sent: nobody reads their streams."""
         for request_id in list(self._active):
-            _, _, replica = request_id.rpartition("@")
-            if replica in dead_replicas:
+            if origin_of(request_id) in dead_replicas:
                 logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
                 self._abort(request_id)
 
@@ -402,8 +401,8 @@ def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
     """Per ingress replica (the tag after "@" in its request ids), the blocks its requests claim."""
     out: dict[str, int] = {}
     for request_id, blocks in by_request.items():
-        _, at, replica = request_id.rpartition("@")
-        if at:
+        replica = origin_of(request_id)
+        if replica:
             out[replica] = out.get(replica, 0) + blocks
     return out
 

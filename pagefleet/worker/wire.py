@@ -38,6 +38,14 @@ class KVHandoff:
         return (len(self.block_hashes), *self.block_shape)
 
 
+def origin_of(request_id: str) -> str:
+    """The ingress replica that sent a request, from its id at the workers ("" for none):
+    `<key>@<replica>`, or `<key>@<replica>#<completion>` for a completion resumed on its
+    own after a failover (replica ids hold neither "@" nor "#"; keys may)."""
+    _, at, tail = request_id.rpartition("@")
+    return tail.partition("#")[0] if at else ""
+
+
 @dataclass(frozen=True)
 class WorkerRequest:
     """One generation request as a worker receives it.
@@ -72,6 +80,8 @@ class TokenDelta:
     were not finite. The stream ends there, and the worker is not failed.
     `logprobs` (with `SamplingParams.logprobs`): one
     `(token_id, logprob, ((id, logprob), ...))` per token of `token_ids`.
+    `index` names the completion (of the request's `SamplingParams.n`) the delta
+    belongs to; each completion's last delta has its own `finish_reason`.
     `migrated_to` (a worker id) ends the stream without a finish: the worker
     handed the request off on the scheduler's order (its blocks are free
     already), and the ingress resumes it there, with `kv` when the order
@@ -81,6 +91,7 @@ class TokenDelta:
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
+    index: int = 0
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -97,6 +108,7 @@ class TokenDelta:
         return cls(
             token_ids=tuple(out.new_token_ids),
             text=out.new_text,
+            index=out.index,
             finish_reason=out.finish_reason,
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids),

@@ -6,7 +6,7 @@ logprob tokens as text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -37,6 +37,39 @@ def usage(delta: StreamDelta) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Choice:
+    """One completion of a non-streamed answer, gathered from its deltas."""
+
+    index: int
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.parts.append(delta.text)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' log-probabilities (what `best_of` ranks by)."""
+        return sum(logprob for _, logprob, _ in self.logprobs or ())
+
+
+def best(choices: list[Choice], n: int) -> list[Choice]:
+    """The `n` choices of highest cumulative log-probability, best first, numbered 0..n-1
+    (vLLM's `best_of`); all of them, in order, when there are `n`."""
+    if len(choices) > n:
+        choices = sorted(choices, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+        for index, choice in enumerate(choices):
+            choice.index = index
+    return choices
+
+
 @dataclass(frozen=True)
 class ResponseFormat:
     """Builds the response objects of one endpoint (text completion or chat)."""
@@ -46,10 +79,11 @@ class ResponseFormat:
     model: str
     created: int
     tokenizer: Any = None  # renders logprob tokens as text; None: no logprobs asked for
+    with_logprobs: bool = True  # False: the worker's logprobs only rank (best_of), none shown
 
     def logprobs(self, entries: list[Any] | None) -> dict[str, Any] | None:
         """OpenAI's logprobs object for `[token_id, logprob, [[id, logprob], ...]]` entries."""
-        if entries is None:
+        if entries is None or not self.with_logprobs:
             return None
         if self.chat:
             return {
@@ -90,26 +124,30 @@ class ResponseFormat:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def final(
-        self, text: str, last: StreamDelta, logprobs: list[Any] | None = None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=self.logprobs(logprobs), finish_reason=last.finish_reason)
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage(last)}
+    def final(self, choices: list[Choice], last: StreamDelta) -> dict[str, Any]:
+        """The whole answer: its choices, and the usage of the request's last delta."""
+        out = []
+        for c in choices:
+            text = "".join(c.parts)
+            choice: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=self.logprobs(c.logprobs), finish_reason=c.finish_reason)
+            out.append(choice)
+        return {**self._head(chunk=False), "choices": out, "usage": usage(last)}
 
     def chunk(
         self,
         text: str,
         finish_reason: str | None,
         *,
+        index: int = 0,
         first: bool = False,
         logprobs: list[Any] | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
@@ -124,4 +162,4 @@ class ResponseFormat:
         return {**self._head(chunk=True), "choices": [], "usage": usage(last)}
 
 
-__all__ = ["ResponseFormat", "error_body", "error_response", "usage"]
+__all__ = ["Choice", "ResponseFormat", "best", "error_body", "error_response", "usage"]

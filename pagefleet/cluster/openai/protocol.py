@@ -12,6 +12,8 @@ INVALID_ARGUMENT naming the field (`parse_request`), never pydantic's own wordin
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagefleet.cluster.api import sampling_params, structured_output
 from pagefleet.cluster.errors import InvalidArgument
-from pagefleet.worker.chat import ChatTemplateError
+from pagefleet.worker.chat import ChatTemplateError, ChatTool
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.structured_output import StructuredOutput
@@ -35,14 +37,20 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # its neutral value is refused, rather than silently answered without it.
 _UNSUPPORTED = {
     "echo": lambda v: v in (None, False),
-    "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v is None,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
 }
+
+# `best_of` candidates at most: each decodes in the worker's batch, all to their end.
+MAX_BEST_OF = 8
+# Chat `tools`: OpenAI's bound on functions, a bound on their JSON (they go into the
+# prompt), and OpenAI's rule for a function name.
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 64 * 1024
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOOL_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
 # Accepted and without effect: OpenAI's label of the end user.
 _INFORMATIONAL = {"user"}
@@ -61,6 +69,7 @@ _EXPECTED = {
     "stream": "a boolean",
     "priority": "an integer",
     "top_logprobs": "an integer",
+    "best_of": "an integer",
     "min_p": "a number in [0, 1]",
     "repetition_penalty": "a number in (0, 2]",
     "presence_penalty": "a number in [-2, 2]",
@@ -145,9 +154,10 @@ class _Body(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"n must be 1 (got {n}): this server returns one choice per request")
+    def _choices(cls, n: int | None) -> int | None:
+        # The upper bound is the server's (`server.max_n`), checked by the ingress.
+        if n is not None and n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n}")
         return n
 
     @field_validator("stop")
@@ -183,9 +193,14 @@ class _Body(BaseModel):
     def _logprobs(self) -> int | None:
         return None
 
+    def _candidates(self) -> int | None:
+        """Completions to generate: `n` (completions: `best_of`, of which `n` are returned)."""
+        return self.n
+
     def params(self) -> SamplingParams:
         """The request's SamplingParams (values checked by SamplingParams, naming the limit)."""
         return sampling_params(
+            n=self._candidates(),
             logprobs=self._logprobs(),
             max_tokens=self._max_tokens(),
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
@@ -210,6 +225,7 @@ class CompletionRequest(_Body):
 
     prompt: Any
     logprobs: int | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -231,8 +247,28 @@ class CompletionRequest(_Body):
             return [int(t) for t in raw]
         raise ValueError("prompt must be a string or a list of token ids")
 
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is None:
+            return self
+        n = self.n or 1
+        if not n <= self.best_of <= MAX_BEST_OF:
+            raise ValueError(f"best_of must be in [n, {MAX_BEST_OF}] (n = {n}), got {self.best_of}")
+        if self.stream and self.best_of > n:
+            raise ValueError("best_of cannot be used with stream: true (the best are known at the end)")
+        return self
+
     def _logprobs(self) -> int | None:
+        if self.logprobs is None and self._ranked():
+            return 0  # the candidates are ranked by their tokens' log-probabilities
         return self.logprobs
+
+    def _candidates(self) -> int | None:
+        return self.best_of if self.best_of is not None else self.n
+
+    def _ranked(self) -> bool:
+        """Whether the answer is the best `n` of more candidates (`best_of` > `n`)."""
+        return self.best_of is not None and self.best_of > (self.n or 1)
 
 
 class ChatCompletionRequest(_Body):
@@ -242,8 +278,35 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = Field(default=None, validate_default=True)
+    tool_choice: Any = None
 
     chat: ClassVar[bool] = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, raw: Any) -> tuple[ChatTool, ...]:
+        """OpenAI's `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`."""
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            raise ValueError(f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, got {raw!r}")
+        if len(raw) > MAX_TOOLS:
+            raise ValueError(f"tools may list at most {MAX_TOOLS} functions, got {len(raw)}")
+        size = len(json.dumps(raw, separators=(",", ":")))
+        if size > MAX_TOOLS_BYTES:
+            raise ValueError(f"tools are {size} bytes as JSON; at most {MAX_TOOLS_BYTES} are allowed")
+        return tuple(_tool_of(i, tool) for i, tool in enumerate(raw))
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any) -> str | None:
+        if choice is None or choice in ("none", "auto"):
+            return choice  # type: ignore[no-any-return]
+        raise ValueError(
+            f"tool_choice {choice!r} is not supported by this server: only \"none\" and \"auto\" "
+            "(the output is not parsed into tool calls, so none can be required)"
+        )
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -258,6 +321,10 @@ class ChatCompletionRequest(_Body):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def template_tools(self) -> tuple[ChatTool, ...]:
+        """The tools the chat template is given: none under `tool_choice: "none"`."""
+        return () if self.tool_choice == "none" else self.tools  # type: ignore[no-any-return]
 
     def _max_tokens(self) -> int | None:
         # As OpenAI and vLLM: max_completion_tokens (the newer name) wins when both are set.
@@ -394,6 +461,36 @@ def _choice_field(name: str, raw: Any) -> list[str]:
     return raw
 
 
+def _tool_of(i: int, tool: Any) -> ChatTool:
+    """One entry of `tools`; ValueError naming what is wrong with it."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, Mapping) or tool.get("type") != "function":
+        raise ValueError(f'{where} must be {{"type": "function", "function": {{...}}}}, got {tool!r}')
+    extra = sorted(set(tool) - {"type", "function"})
+    if extra:
+        raise ValueError(f"{where}.{extra[0]} is not supported")
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise ValueError(f"{where}.function must be an object with a name")
+    unknown = sorted(set(function) - _TOOL_FUNCTION_KEYS)
+    if unknown:
+        raise ValueError(f"{where}.function.{unknown[0]} is not supported")
+    name = function.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}"
+        )
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ValueError(f"{where}.function.description must be a string")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+    if not isinstance(function.get("strict", False), (bool, type(None))):
+        raise ValueError(f"{where}.function.strict must be a boolean")
+    return ChatTool(name, description, None if parameters is None else json.dumps(parameters))
+
+
 def _message_of(i: int, msg: Any) -> dict[str, str]:
     """One chat message as {role, content}; ValueError naming what is wrong with it."""
     if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
@@ -436,6 +533,13 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     priority: int = 0
+    # Choices to return: `n`. With completions' `best_of` above it, `params.n` candidates
+    # are generated and the `choices` of highest cumulative log-probability returned.
+    choices: int = 1
+    # Whether the client asked for logprobs (best_of asks the worker for them to rank).
+    return_logprobs: bool = False
+    # Chat: the tools its chat template is given.
+    tools: tuple[ChatTool, ...] = ()
 
 
 def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
@@ -454,6 +558,9 @@ def parse_request(body: Any, *, chat: bool) -> OpenAIRequest:
         stream=bool(req.stream),
         include_usage=bool(req.stream_options.get("include_usage")),
         priority=req.priority or 0,
+        choices=req.n or 1,
+        return_logprobs=req.logprobs is not None and req.logprobs is not False,  # type: ignore[attr-defined]
+        tools=req.template_tools() if isinstance(req, ChatCompletionRequest) else (),
     )
 
 
@@ -473,10 +580,13 @@ def _message(exc: ValidationError, *, chat: bool) -> str:
     return f"{name} must be {what or 'valid'}, got {error['input']!r}"
 
 
-def chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str | list[int]:
-    """The prompt of a chat (the model's chat template; see `pagefleet.worker.chat`)."""
+def chat_prompt(
+    messages: list[dict[str, str]], tokenizer: Any, tools: tuple[ChatTool, ...] = ()
+) -> str | list[int]:
+    """The prompt of a chat (the model's chat template, given `tools`; see
+    `pagefleet.worker.chat`)."""
     try:
-        return worker_chat_prompt(messages, tokenizer)
+        return worker_chat_prompt(messages, tokenizer, tools)
     except ChatTemplateError as exc:
         raise InvalidArgument(str(exc)) from exc
 

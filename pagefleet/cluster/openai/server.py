@@ -181,7 +181,7 @@ class _OpenAIApi:
                 assert isinstance(parsed.prompt, list)
                 # A chat template may tokenize: off the event loop, like text prompts.
                 prompt = await asyncio.to_thread(
-                    chat_prompt, parsed.prompt, self._ingress.tokenizer(pool)  # type: ignore[arg-type]
+                    chat_prompt, parsed.prompt, self._ingress.tokenizer(pool), parsed.tools  # type: ignore[arg-type]
                 )
             else:
                 prompt = parsed.prompt  # type: ignore[assignment]
@@ -191,12 +191,17 @@ class _OpenAIApi:
             return JSONResponse(error_body(ErrorCode.INVALID_ARGUMENT, str(exc)), status_code=exc.status)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tokenizer = self._ingress.tokenizer(pool) if parsed.params.logprobs is not None else None
-        fmt = ResponseFormat(chat, request_id, parsed.model or pool, int(time.time()), tokenizer)
+        fmt = ResponseFormat(
+            chat, request_id, parsed.model or pool, int(time.time()), tokenizer, parsed.return_logprobs
+        )
         deltas = self._drain.submit(
             tenant, target, prompt, parsed.params, request_id=request_id, priority=parsed.priority,
             session=session,
         )  # fmt: skip
-        return GenerationResponse(deltas, fmt, stream=parsed.stream, include_usage=parsed.include_usage)
+        return GenerationResponse(
+            deltas, fmt, stream=parsed.stream, include_usage=parsed.include_usage,
+            candidates=parsed.params.n, choices=parsed.choices,
+        )  # fmt: skip
 
     def _model_entry(self, pool_name: str, adapter: str | None = None) -> dict[str, Any]:
         """A pool's entry (`parent` None), or one of its LoRA adapters' (`parent`: the pool,

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagefleet.cluster.api import ErrorCode, IngressError, StreamDelta
 from pagefleet.cluster.errors import WIRE_STATUS
-from pagefleet.cluster.openai.formatting import ResponseFormat, error_body
+from pagefleet.cluster.openai.formatting import Choice, ResponseFormat, best, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,18 @@ class GenerationResponse(Response):
         *,
         stream: bool,
         include_usage: bool,
+        candidates: int = 1,
+        choices: int = 1,
     ) -> None:
+        """`candidates` completions stream in; the `choices` best of them are answered
+        (all of them, in order, when the two are equal)."""
         super().__init__()
         self._deltas = deltas
         self._fmt = fmt
         self._stream = stream
         self._include_usage = include_usage
+        self._candidates = candidates
+        self._choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._respond(send))
@@ -99,19 +105,17 @@ class GenerationResponse(Response):
     async def _send_whole(
         self, first: StreamDelta, deltas: AsyncIterator[StreamDelta], send: Send
     ) -> None:
-        parts = [first.text]
-        logprobs = None if first.logprobs is None else list(first.logprobs)
+        choices = [Choice(index) for index in range(self._candidates)]
+        choices[first.index].add(first)
         last = first
         try:
             async for delta in deltas:
-                parts.append(delta.text)
-                if logprobs is not None:
-                    logprobs.extend(delta.logprobs or ())
+                choices[delta.index].add(delta)
                 last = delta
         except IngressError as exc:
             await _send_error(send, exc)
             return
-        await _send_json(send, 200, self._fmt.final("".join(parts), last, logprobs))
+        await _send_json(send, 200, self._fmt.final(best(choices, self._choices), last))
 
     async def _send_stream(
         self, first: StreamDelta, deltas: AsyncIterator[StreamDelta], send: Send
@@ -126,8 +130,9 @@ class GenerationResponse(Response):
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        if self._fmt.chat:  # OpenAI's first chat chunk carries the role
-            await body(_sse(self._fmt.chunk("", None, first=True)))
+        if self._fmt.chat:  # OpenAI's first chat chunk of each choice carries the role
+            for index in range(self._candidates):
+                await body(_sse(self._fmt.chunk("", None, index=index, first=True)))
         last = first
         try:
             delta: StreamDelta | None = first
@@ -136,7 +141,7 @@ class GenerationResponse(Response):
                 # A token that ends inside a multi-byte character has no text yet.
                 if delta.text or delta.finish_reason is not None or delta.logprobs:
                     chunk = self._fmt.chunk(
-                        delta.text, delta.finish_reason, logprobs=delta.logprobs
+                        delta.text, delta.finish_reason, index=delta.index, logprobs=delta.logprobs
                     )
                     await body(_sse(chunk))
                 delta = await anext(deltas, None)

@@ -19,6 +19,7 @@ class SamplingParams(_message.Message):
         "logprobs",
         "max_tokens",
         "min_p",
+        "n",
         "presence_penalty",
         "regex",
         "repetition_penalty",
@@ -55,6 +56,7 @@ class SamplingParams(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -73,6 +75,7 @@ class SamplingParams(_message.Message):
     regex: str
     choice: _containers.RepeatedScalarFieldContainer[str]
     json_object: bool
+    n: int
     def __init__(
         self,
         max_tokens: int | None = ...,
@@ -93,6 +96,7 @@ class SamplingParams(_message.Message):
         regex: str | None = ...,
         choice: _Iterable[str] | None = ...,
         json_object: bool | None = ...,
+        n: int | None = ...,
     ) -> None: ...
 
 class GenerateRequest(_message.Message):
@@ -171,6 +175,7 @@ class TokenLogprob(_message.Message):
 class GenerateResponse(_message.Message):
     __slots__ = (
         "finish_reason",
+        "index",
         "logprobs",
         "request_id",
         "text",
@@ -185,6 +190,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -192,6 +198,7 @@ class GenerateResponse(_message.Message):
     usage: Usage
     worker_id: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    index: int
     def __init__(
         self,
         request_id: str | None = ...,
@@ -201,6 +208,7 @@ class GenerateResponse(_message.Message):
         usage: Usage | _Mapping | None = ...,
         worker_id: str | None = ...,
         logprobs: _Iterable[TokenLogprob | _Mapping] | None = ...,
+        index: int | None = ...,
     ) -> None: ...
 
 class AbortRequest(_message.Message):
