@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,6 +43,25 @@ import ray
 ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 # Node loss is noticed within about period x threshold (Ray's defaults: 3 s x 5).
 HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4"}
+
+
+# A head's GCS port comes from below the kernel's ephemeral range (32768-60999 on
+# Linux) and above Ray's worker ports (10002-19999): a GCS restarted on its port
+# (`start_gcs`) must find it free, and a port another test bound with port 0 while this
+# one's GCS was down could be the very one.
+HEAD_PORTS = range(20000, 32768)
+
+
+def free_head_port() -> int:
+    """A free port in HEAD_PORTS."""
+    for port in random.sample(HEAD_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {HEAD_PORTS}")
 
 
 def free_port() -> int:
@@ -74,7 +94,7 @@ class RayNodes:
         """`env`: more environment for every `ray start` (the head's `RAY_REDIS_ADDRESS`)."""
         # Short: Ray's socket paths live under it and must stay below 108 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="pfray", dir="/tmp")
-        self.port = free_port()
+        self.port = free_head_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECK, **(env or {})}
         self.head: Node | None = None
@@ -95,7 +115,7 @@ class RayNodes:
                 break
             # The first try's GCS lives on and holds its session: start over, elsewhere.
             self._kill_mine()
-            self.port = free_port()
+            self.port = free_head_port()
             self.address = f"127.0.0.1:{self.port}"
         self.head = node
         return node
