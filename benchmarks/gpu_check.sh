@@ -53,7 +53,7 @@ step() {
 
 if [[ "$dry_run" -eq 1 ]]; then
   step triton_tests 120 python -m pytest -q --collect-only tests/test_kernels_triton.py tests/test_write_kv.py
-  step kernels 300 python benchmarks/kernels.py --smoke
+  step paged_attention 300 python benchmarks/paged_attention.py --smoke
   step engine 600 python benchmarks/gpu_engine.py --smoke
   # One torch thread: two threads on a loaded 2-core machine run many times slower.
   step offload 600 python benchmarks/offload.py --smoke --model smollm2-135m-instruct --threads 1
@@ -61,7 +61,7 @@ else
   # Time limits add up to 480 s. The engine step converts the SmolLM2 GGUF once
   # (cached on disk); the offload step reuses it.
   step triton_tests 180 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_write_kv.py
-  step kernels 120 python benchmarks/kernels.py
+  step paged_attention 120 python benchmarks/paged_attention.py
   step engine 120 python benchmarks/gpu_engine.py --device cuda --dtype bfloat16
   step offload 60 python benchmarks/offload.py --model smollm2-135m-instruct --device cuda \
     --dtype bfloat16 --conversations 16 --history 320 --rounds 4

@@ -15,7 +15,7 @@ def test_kernels_benchmark_smoke_prints_a_passing_table() -> None:
     env.pop("PAGEFLEET_ATTENTION", None)
     env.pop("PAGEFLEET_KV_SPLITS", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / "paged_attention.py"), "--smoke"],
         capture_output=True,
         text=True,
         env=env,

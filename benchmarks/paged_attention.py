@@ -2,7 +2,7 @@
 
 GPU (default when CUDA is present)::
 
-    python benchmarks/kernels.py
+    python benchmarks/paged_attention.py
 
 Decode at batch 1/16/64/256 x context 512/4k/32k (32 q heads, 8 kv heads,
 head dim 128, bf16, block size 16) and a mixed prefill+decode batch. For each
