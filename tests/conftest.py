@@ -15,6 +15,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # later (with a token, Ray's default) would refuse it (InvalidAuthToken).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No Ray API call starts or joins a Ray by itself (Ray's auto-connect, a plain ray.init()
+# that joins the cluster in Ray's address file): a thread a past module left running
+# (Serve's handle loop after its Ray went) would connect this process to some other test's
+# cluster, and the next module's ray.init would fail ("called ray.init twice").
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest
 import torch
