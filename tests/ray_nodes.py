@@ -39,6 +39,8 @@ from pathlib import Path
 
 import ray
 
+from pagefleet.cluster.gcs_watch import forget_usage_tags_of_past_rays
+
 # Ray's address file: `ray start` writes it, a bare `ray.init()` joins what it names.
 ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 # Node loss is noticed within about period x threshold (Ray's defaults: 3 s x 5).
@@ -203,6 +205,7 @@ class RayNodes:
         """Join the cluster from this process (without a token, as the cluster runs)."""
         self._auth_mode = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"
+        forget_usage_tags_of_past_rays()  # else this process's past local Rays' tags land here
         ray.init(address=self.address, namespace=namespace, log_to_driver=False)
         for node in [*([self.head] if self.head else []), *self.nodes]:
             self.wait_alive(node)

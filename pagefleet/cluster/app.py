@@ -38,7 +38,12 @@ from ray import serve
 
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.deployment import IngressDeployment, ingress_options
-from pagefleet.cluster.gcs_watch import GcsWatch, gcs_answers, gcs_storage
+from pagefleet.cluster.gcs_watch import (
+    GcsWatch,
+    forget_usage_tags_of_past_rays,
+    gcs_answers,
+    gcs_storage,
+)
 from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership
 from pagefleet.cluster.names import APP_NAME, HEAD_NODE_RESOURCE, INGRESS_NAME, NAMESPACE
 from pagefleet.scheduler.actor import start_scheduler
@@ -230,6 +235,7 @@ def start_cluster(
             else:
                 use_cluster_token()
                 joined_ray = True
+                forget_usage_tags_of_past_rays()
                 ray.init(address=address, namespace=NAMESPACE)
                 check_gcs_storage(config)
             if threading.current_thread() is threading.main_thread():

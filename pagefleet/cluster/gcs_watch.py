@@ -142,6 +142,16 @@ async def watch_gcs(
         await asyncio.sleep(interval_s)
 
 
+def forget_usage_tags_of_past_rays() -> None:
+    """Call before joining a cluster: a process that started a Ray of its own before (a
+    test, a benchmark) keeps that head's usage tags, and Ray writes them into every cluster
+    the process joins later (a post-init hook), so the joined cluster would read this
+    process's old "memory" where its head recorded "redis" (`gcs_storage`)."""
+    from ray._common.usage import usage_lib
+
+    usage_lib.reset_global_state()
+
+
 def gcs_storage() -> str | None:
     """Where the cluster's GCS keeps its tables, as its head recorded it at start:
     "redis" (fault tolerant), "rocksdb", "memory"; None when not recorded."""
