@@ -36,7 +36,7 @@ from pagefleet.cluster.errors import InvalidArgument, NotFound, Unauthenticated
 class Target:
     """What a request names to run on: a pool or a model, as its wire spells it.
 
-    Both resolve by the same rule (`Tenancy.pool_for`); `kind` only says which
+    Both resolve by the same rule (`Tenancy.resolve`); `kind` only says which
     word the NOT_FOUND message uses (gRPC's `pool` field, OpenAI's `model`).
     """
 
