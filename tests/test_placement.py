@@ -12,7 +12,6 @@ from pagefleet.cluster.placement import (
     autoscaler_request,
     cannot_place,
     capacity,
-    cluster_gpus,
     label_matches,
 )
 
@@ -62,15 +61,6 @@ def test_rays_request_resources_takes_the_request_with_each_selector_beside_its_
     sdk.request_resources(bundles=bundles, bundle_label_selectors=selectors)
     assert sent == [(None, [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 0.5}],
                      [{"pool": "acme", "zone": "!eu", "tier": "in(a,b)"}, {}])]  # fmt: skip
-
-
-def test_the_cluster_counts_the_gpus_of_its_alive_nodes() -> None:
-    nodes = [
-        {"Alive": True, "Resources": {"CPU": 2.0}},
-        {"Alive": True, "Resources": {"CPU": 1.0, "GPU": 2.0}},
-        {"Alive": False, "Resources": {"CPU": 1.0, "GPU": 1.0}},
-    ]
-    assert cluster_gpus(nodes) == 2.0
 
 
 def test_label_selectors_match_values_negations_and_sets() -> None:

@@ -58,7 +58,6 @@ from pagefleet.cluster.placement import (
     autoscaler_request,
     cannot_place,
     capacity,
-    cluster_gpus,
     cluster_nodes,
 )
 from pagefleet.scheduler.actor import shard_actor_name
@@ -129,10 +128,7 @@ class Membership:
         self._schedulers = schedulers
         self._shards = config.scheduler_shards()
         self._scheduler_names = {p: shard_actor_name(s) for p, s in self._shards.items()}
-        # The most GPUs the cluster has advertised: the node watch raises it when a node
-        # with GPUs joins, and never lowers it, so a GPU pool's replacement for a worker
-        # lost with the last GPU node waits for a GPU rather than landing on a CPU node.
-        self._cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+        self._cluster_gpus = 0.0  # the most GPUs the cluster has advertised (`_shape`)
         self._members: dict[str, list[_Member]] = {pool.name: [] for pool in config.pools}
         self._next_index = {pool.name: 0 for pool in config.pools}
         self._lock = asyncio.Lock()  # one membership change at a time
@@ -289,8 +285,8 @@ class Membership:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
 
     async def _watch_nodes(self) -> None:
-        """Every NODE_CHECK_S: replace each worker whose node died (refill), count the GPUs
-        of nodes that joined, and move the autoscaled pools' targets on their load."""
+        """Every NODE_CHECK_S: replace each worker whose node died (refill), and move the
+        autoscaled pools' targets on their load."""
         while True:
             await asyncio.sleep(NODE_CHECK_S)
             try:
@@ -301,7 +297,6 @@ class Membership:
                 logger.exception("membership: autoscaling the pools failed")
             try:
                 nodes = await asyncio.to_thread(ray.nodes)
-                self._cluster_gpus = max(self._cluster_gpus, cluster_gpus(nodes))
                 alive = {str(n["NodeID"]) for n in nodes if n["Alive"]}
                 for pool, ms in self._members.items():
                     for member in list(ms):
@@ -423,6 +418,10 @@ class Membership:
         }
 
     def _shape(self, pool: PoolConfig) -> WorkerShape:
+        # Read at each decision, so a node with GPUs that joined since the start counts;
+        # never lowered, so the replacement of a worker lost with the last GPU node waits
+        # for a GPU rather than landing on a CPU node.
+        self._cluster_gpus = max(self._cluster_gpus, float(ray.cluster_resources().get("GPU", 0)))
         return worker_shape(pool, self._cluster_gpus)
 
     def _create(self, pool: PoolConfig) -> _Member:

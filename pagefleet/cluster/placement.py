@@ -109,11 +109,6 @@ def autoscaler_request(
     return bundles, selectors
 
 
-def cluster_gpus(nodes: Iterable[Mapping[str, Any]]) -> float:
-    """The GPUs the alive nodes of `ray.nodes()` advertise."""
-    return float(sum(node["Resources"].get("GPU", 0.0) for node in nodes if node["Alive"]))
-
-
 def describe_cluster(nodes: Iterable[NodeResources]) -> str:
     """What the cluster has, one node after the other (`; `-separated)."""
     listed = [node.describe() for node in nodes]
