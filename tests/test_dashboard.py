@@ -32,3 +32,21 @@ def test_dashboard_state_needs_a_key_when_every_tenant_has_one() -> None:
     assert client.get("/dashboard/state").status_code == 401
     ok = client.get("/dashboard/state", headers={"authorization": "Bearer k1-0123456789abcdef"})
     assert ok.status_code == 200 and ok.json()["pools"][0]["name"] == "chat"
+
+
+def test_dashboard_shows_each_pools_live_workers_against_its_target_and_why_it_last_moved() -> None:
+    config = ClusterConfig.from_dict({"pools": [{"name": "chat", "min_workers": 1, "max_workers": 3}]})
+    ingress = Ingress(config, {})
+    # What the ingress plane reads from the membership every few seconds.
+    reason = "scale out: 4% blocks free (< 30%) and 2 waiting for 1s"
+    ingress.pool_scaling = {"chat": {"target": 2, "workers": 1, "reason": reason}}
+    client = TestClient(build_app(ingress))
+    pool = client.get("/dashboard/state").json()["pools"][0]
+    assert (pool["target_workers"], pool["scale_reason"], pool["live_workers"]) == (2, reason, 0)
+    page = client.get("/dashboard").text
+    assert "`workers: ${p.live_workers} live, target ${p.target_workers}; last moved: ${p.scale_reason}`" in page
+
+
+def test_dashboard_shows_a_fixed_pool_at_its_configured_size() -> None:
+    pool = _client([]).get("/dashboard/state").json()["pools"][0]
+    assert (pool["target_workers"], pool["scale_reason"]) == (1, "configured size")

@@ -215,6 +215,13 @@ def test_grafana_dashboard_covers_blocks_hit_rate_queues_preemptions_and_latency
         assert metric in text
 
 
+def test_grafana_dashboard_plots_each_pools_target_against_its_actual_workers() -> None:
+    dashboard = json.loads((MANIFESTS / "grafana-dashboard.json").read_text())
+    exprs = {t["expr"] for p in dashboard["panels"] for t in p["targets"]}
+    for kind in ("target", "actual"):
+        assert f'max by (pool) (pool_workers{{pool=~"$pool",kind="{kind}"}})' in exprs
+
+
 def test_rayservice_enables_gcs_fault_tolerance_with_the_redis_it_deploys() -> None:
     ft = rayservice()["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     docs = list(yaml.safe_load_all((MANIFESTS / "rayservice.yaml").read_text()))

@@ -45,3 +45,16 @@ def test_migration_counters_follow_the_reports_through_the_wire() -> None:
     assert 'kv_migration_blocks_imported_total{pool="default",worker="w0"} 3.0' in body
     assert 'kv_migration_import_failures_total{pool="default",worker="w0"} 1.0' in body
     assert 'migrations_total{mode="transfer",pool="default"} 1.0' in body
+
+
+def test_pool_workers_shows_each_pools_target_and_actual_size() -> None:
+    metrics = IngressMetrics()
+    metrics.observe_pool_sizes({
+        "default": {"target": 3, "workers": 2, "reason": "scale out: 4% blocks free (< 30%) and 2 waiting for 1s"},
+        "acme": {"target": 1, "workers": 1, "reason": "configured size"},
+    })  # fmt: skip
+    body = generate_latest(metrics.registry).decode()
+    assert 'pool_workers{kind="target",pool="default"} 3.0' in body
+    assert 'pool_workers{kind="actual",pool="default"} 2.0' in body
+    assert 'pool_workers{kind="target",pool="acme"} 1.0' in body
+    assert 'pool_workers{kind="actual",pool="acme"} 1.0' in body

@@ -9,6 +9,7 @@ from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, worker_shape
 from pagefleet.cluster.placement import (
     NodeResources,
     WorkerShape,
+    autoscaler_request,
     cannot_place,
     capacity,
     label_matches,
@@ -36,6 +37,30 @@ def test_num_gpus_per_worker_overrides_the_default() -> None:
 def test_node_labels_become_the_workers_label_selector() -> None:
     shape = worker_shape(PoolConfig(name="p", node_labels={"pool": "acme"}), cluster_gpus=1)
     assert shape.options() == {"num_cpus": 1.0, "num_gpus": 1.0, "label_selector": {"pool": "acme"}}
+
+
+def test_the_autoscaler_is_asked_for_each_worker_on_a_node_with_its_pools_labels() -> None:
+    pinned = worker_shape(PoolConfig(name="acme", node_labels={"pool": "acme"}), cluster_gpus=1)
+    anywhere = worker_shape(PoolConfig(name="default", node_labels={}), cluster_gpus=0)
+    bundles, selectors = autoscaler_request([(pinned, 2), (anywhere, 1)])
+    assert bundles == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": CPU_WORKER_NUM_CPUS}]
+    assert selectors == [{"pool": "acme"}, {"pool": "acme"}, {}]
+
+
+def test_rays_request_resources_takes_the_request_with_each_selector_beside_its_bundle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray.autoscaler import sdk
+    from ray.autoscaler._private import commands
+
+    sent: list[tuple[object, ...]] = []
+    # Only the write to the GCS is replaced: the argument checks are Ray's own.
+    monkeypatch.setattr(commands, "request_resources", lambda *args: sent.append(args))
+    shape = WorkerShape(1.0, 1.0, {"pool": "acme", "zone": "!eu", "tier": "in(a,b)"})
+    bundles, selectors = autoscaler_request([(shape, 1), (WorkerShape(0.5, 0.0), 1)])
+    sdk.request_resources(bundles=bundles, bundle_label_selectors=selectors)
+    assert sent == [(None, [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 0.5}],
+                     [{"pool": "acme", "zone": "!eu", "tier": "in(a,b)"}, {}])]  # fmt: skip
 
 
 def test_label_selectors_match_values_negations_and_sets() -> None:

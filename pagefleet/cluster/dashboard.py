@@ -5,7 +5,9 @@ Two routes on the OpenAI HTTP server (`openai.server.build_app` adds them):
 - `GET /dashboard`: one self-contained HTML page (no external assets). Each
   worker is a block map: one cell per block (or per group of blocks on big
   pools), live blocks first and coloured by tenant, then cached, then free;
-  beside it hit rate, running and waiting, preemptions and evictions. The page
+  beside it hit rate, running and waiting, preemptions and evictions. Each
+  pool shows its live workers against its target and why the target last
+  moved (GetStatus `target_workers`, `scale_reason`). The page
   polls the JSON below once a second.
 - `GET /dashboard/state`: that JSON, built from the ingress's status (the
   same numbers as gRPC GetStatus) and the workers' latest load reports.
@@ -93,6 +95,7 @@ PAGE = """<!doctype html>
   h1 { font-size: 18px; margin: 0 0 8px; }
   .pool { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 10px; margin: 10px 0; }
   .pool h2 { font-size: 15px; margin: 0 0 6px; }
+  .scaling { color: #444; margin: 0 0 6px; }
   .worker { display: flex; gap: 12px; align-items: flex-start; margin: 8px 0; }
   .worker .name { font-weight: 600; width: 150px; }
   .worker.dead .name { color: #b00; }
@@ -158,6 +161,8 @@ function render(state) {
       `${p.live_workers}/${p.workers.length} workers live, hit rate ${pct(p.hit_rate)}, ` +
       `running ${p.num_running}, waiting ${p.num_waiting}, ` +
       `preemptions ${p.preemptions}, evictions ${p.evictions}, migrations ${p.migrations}`));
+    box.append(el("div", {class: "scaling"},
+      `workers: ${p.live_workers} live, target ${p.target_workers}; last moved: ${p.scale_reason}`));
     for (const w of p.workers) {
       const row = el("div", {class: "worker" + (w.alive ? "" : " dead"), "data-worker": w.worker_id});
       row.append(el("div", {class: "name"}, w.worker_id + (w.alive ? "" : w.draining ? " (draining)" : " (down)")));

@@ -98,9 +98,7 @@ class IngressDeployment:
                 membership = await asyncio.to_thread(get_membership)
                 scaling = await membership.autoscale_status.remote()
                 self.ingress.pool_scaling = scaling
-                for pool, entry in scaling.items():
-                    self.metrics.pool_workers.labels(pool, "target").set(entry["target"])
-                    self.metrics.pool_workers.labels(pool, "actual").set(entry["workers"])
+                self.metrics.observe_pool_sizes(scaling)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

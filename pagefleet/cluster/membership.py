@@ -53,7 +53,13 @@ from pagefleet.cluster.names import (
     NAMESPACE,
     worker_actor_name,
 )
-from pagefleet.cluster.placement import WorkerShape, cannot_place, capacity, cluster_nodes
+from pagefleet.cluster.placement import (
+    WorkerShape,
+    autoscaler_request,
+    cannot_place,
+    capacity,
+    cluster_nodes,
+)
 from pagefleet.scheduler.actor import shard_actor_name
 from pagefleet.scheduler.autoscale import PoolAutoscaler, pool_load
 
@@ -122,7 +128,7 @@ class Membership:
         self._schedulers = schedulers
         self._shards = config.scheduler_shards()
         self._scheduler_names = {p: shard_actor_name(s) for p, s in self._shards.items()}
-        self._cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+        self._cluster_gpus = 0.0  # the most GPUs the cluster has advertised (`_shape`)
         self._members: dict[str, list[_Member]] = {pool.name: [] for pool in config.pools}
         self._next_index = {pool.name: 0 for pool in config.pools}
         self._lock = asyncio.Lock()  # one membership change at a time
@@ -348,17 +354,17 @@ class Membership:
             logger.error("pool %s: %s", pool, exc)
 
     def _request_resources(self) -> None:
-        """Ask Ray's autoscaler for every pool's workers at their targets (a standing
-        request: it launches nodes where the cluster allows, and no-ops without one)."""
+        """Ask Ray's autoscaler for every pool's workers at their targets, on nodes with the
+        pool's labels (a standing request: it launches nodes where the cluster allows, and
+        no-ops without one)."""
         from ray.autoscaler.sdk import request_resources
 
-        bundles = []
+        wanted = []
         for pool in self._config.pools:
-            shape = self._shape(pool)
             scaler = self._autoscalers.get(pool.name)
-            target = scaler.target if scaler else len(self._members[pool.name])
-            bundles += [{"CPU": shape.num_cpus, **({"GPU": shape.num_gpus} if shape.num_gpus else {})}] * target
-        request_resources(bundles=bundles)
+            wanted.append((self._shape(pool), scaler.target if scaler else len(self._members[pool.name])))
+        bundles, selectors = autoscaler_request(wanted)
+        request_resources(bundles=bundles, bundle_label_selectors=selectors)
 
     async def _replace(self, pool: str, lost: _Member) -> None:
         """A worker's node died: forget it and start a replacement under a fresh id.
@@ -412,6 +418,10 @@ class Membership:
         }
 
     def _shape(self, pool: PoolConfig) -> WorkerShape:
+        # Read at each decision, so a node with GPUs that joined since the start counts;
+        # never lowered, so the replacement of a worker lost with the last GPU node waits
+        # for a GPU rather than landing on a CPU node.
+        self._cluster_gpus = max(self._cluster_gpus, float(ray.cluster_resources().get("GPU", 0)))
         return worker_shape(pool, self._cluster_gpus)
 
     def _create(self, pool: PoolConfig) -> _Member:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -236,6 +237,13 @@ class IngressMetrics:
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
         self._observe_tenants(report)
+
+    def observe_pool_sizes(self, scaling: Mapping[str, Mapping[str, Any]]) -> None:
+        """Set `pool_workers{pool,kind}` from the membership's `autoscale_status()`: `target`
+        (what autoscaling or `pagefleet scale` last asked for) and `actual` (serving now)."""
+        for pool, entry in scaling.items():
+            self.pool_workers.labels(pool, "target").set(entry["target"])
+            self.pool_workers.labels(pool, "actual").set(entry["workers"])
 
     def name_tenants(self, names: Mapping[str, str]) -> None:
         """Map prefix-cache salts to tenant names for the `tenant` label (unknown: "other")."""

@@ -33,6 +33,10 @@ class WorkerShape:
             options["label_selector"] = dict(self.labels)
         return options
 
+    def bundle(self) -> dict[str, float]:
+        """The resource bundle of one such worker, as Ray's autoscaler is asked for it."""
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+
     def describe(self) -> str:
         asks = f"{self.num_cpus:g} CPU and {self.num_gpus:g} GPU"
         return f"{asks} on a node labelled {_labels(self.labels)}" if self.labels else f"{asks} on any node"
@@ -88,6 +92,21 @@ def label_matches(have: str | None, selector: str) -> bool:
 def capacity(shape: WorkerShape, nodes: Iterable[NodeResources], *, free: bool) -> int:
     """How many workers of `shape` the nodes hold, by their free (or total) resources."""
     return sum(node.fits(shape, free=free) for node in nodes)
+
+
+def autoscaler_request(
+    wanted: Iterable[tuple[WorkerShape, int]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`bundles` and `bundle_label_selectors` of `ray.autoscaler.sdk.request_resources` for
+    `count` workers of each shape: one bundle per worker, each with its pool's labels as its
+    label selector (empty for a pool on any node), so the autoscaler launches nodes of the
+    type the pool is pinned to."""
+    bundles: list[dict[str, Any]] = []
+    selectors: list[dict[str, Any]] = []
+    for shape, count in wanted:
+        bundles += [shape.bundle() for _ in range(count)]
+        selectors += [dict(shape.labels) for _ in range(count)]
+    return bundles, selectors
 
 
 def describe_cluster(nodes: Iterable[NodeResources]) -> str:
