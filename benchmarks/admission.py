@@ -74,7 +74,7 @@ async def send_all(target: str, prompts: list[list[int]], max_tokens: int) -> tu
 
 def preemptions(cluster: RunningCluster, worker_id: str) -> int:
     stats = ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=60)
-    return int(stats["preemptions_total"])
+    return int(stats.preemptions_total)
 
 
 def measure(cluster: RunningCluster, mode: str, prompts: list[list[int]], max_tokens: int) -> Round:

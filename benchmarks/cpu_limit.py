@@ -691,8 +691,8 @@ def main() -> None:
             f"pagefleet breakdown (one instrumented run, {t_instr.cpu:.2f} CPU s)",
             ["part", "CPU seconds", "share"], breakdown_rows(timers.seconds, t_instr.cpu),
         )
-    print(f"\npagefleet pool: {stats['total']} blocks of {BLOCK_SIZE} tokens, peak live "
-          f"{stats['peak_live']}, preemptions {stats['preemptions_total']}")
+    print(f"\npagefleet pool: {stats.total} blocks of {BLOCK_SIZE} tokens, peak live "
+          f"{stats.peak_live}, preemptions {stats.preemptions_total}")
     if same is not None:
         print(f"greedy outputs equal to HF one-at-a-time: {same[0]}/{same[1]} "
               f"(float32: only a near-tie of HF's top-2 logits may differ)")

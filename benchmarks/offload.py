@@ -126,9 +126,9 @@ def report_multi_turn(args: argparse.Namespace, recompute: Any, tier: Any) -> No
     for name, r in (("recompute (tier off)", off), ("offload tier", on)):
         st = r["stats"]
         rows.append([
-            name, f"{r['cached'] / ideal:.1%}", f"{st['offload_hit_tokens']}",
-            f"{st['offload_bytes_out'] / 2**20:.1f}", f"{st['offload_bytes_in'] / 2**20:.1f}",
-            f"{(st['offload_store_ns'] + st['offload_load_ns']) / 1e6:.1f}",
+            name, f"{r['cached'] / ideal:.1%}", f"{st.offload_hit_tokens}",
+            f"{st.offload_bytes_out / 2**20:.1f}", f"{st.offload_bytes_in / 2**20:.1f}",
+            f"{(st.offload_store_ns + st.offload_load_ns) / 1e6:.1f}",
             f"{r['ttft'] * 1000:.0f}", f"{r['tokens_per_s']:.1f}",
         ])
     common.print_table(
@@ -158,7 +158,8 @@ def report_no_reuse(args: argparse.Namespace, arms: dict[str, Any], bytes_per_bl
             before = arms[name].stats()
             res[name] = common.timed_requests(arms[name].engine, prompts, args.output)
             after = arms[name].stats()
-            res[name]["delta"] = {k: after[k] - before[k] for k in after}
+            counters, start = after.as_dict(), before.as_dict()
+            res[name]["delta"] = {k: counters[k] - start[k] for k in counters}
         off, on = res["tier off"], res["tier on"]
         same = same and (off["answers"], off["steps"]) == (on["answers"], on["steps"])
         d = on["delta"]
@@ -179,7 +180,7 @@ def report_no_reuse(args: argparse.Namespace, arms: dict[str, Any], bytes_per_bl
          "store ms", "store / wall"],
         rows,
     )
-    assert arms["tier on"].stats()["offload_hit_tokens"] == 0, "a 0% reuse run hit the tier"
+    assert arms["tier on"].stats().offload_hit_tokens == 0, "a 0% reuse run hit the tier"
     for llm in arms.values():
         llm.check_integrity()
     per_block_us = store_ns / 1e3 / spilled if spilled else 0.0

@@ -46,7 +46,7 @@ def run(model_dir: object, prompts: list[list[int]], max_tokens: int, caching: b
     result = common.timed_requests(llm.engine, prompts, max_tokens, together=together)
     stats = llm.stats()
     llm.check_integrity()
-    return {**result, "hit_tokens": stats["prefix_hit_tokens"]}
+    return {**result, "hit_tokens": stats.prefix_hit_tokens}
 
 
 def main() -> None:

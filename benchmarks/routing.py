@@ -208,7 +208,7 @@ def worker_evictions(cluster: RunningCluster) -> tuple[int, int]:
     """(evictions, of them blocks duplicated elsewhere) summed over the cluster's workers."""
     handles = [h for pool in cluster.workers.values() for _, h in pool]
     stats = ray.get([h.stats.remote() for h in handles])
-    return sum(int(s["evictions"]) for s in stats), sum(int(s["duplicate_evictions"]) for s in stats)
+    return sum(int(s.evictions) for s in stats), sum(int(s.duplicate_evictions) for s in stats)
 
 
 async def measure_cluster(

@@ -1,6 +1,6 @@
 """Session affinity against prefix affinity alone on a multi-turn chat workload, in-process.
 
-The discrete-event simulator (`pagefleet.cluster.simulator`: real block pools,
+The discrete-event simulator (`benchmarks/simulator.py`: real block pools,
 the real `ClusterState`, `FleetView`s and `Router`s, a service model of
 serialized prefills and batched decodes) runs a `ChatWorkload`: sessions of
 `--turns` turns, each turn's prompt the previous prompt and answer plus a new
@@ -23,11 +23,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+
+# The simulator beside this script, also when a test loads this file by path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from simulator import ChatWorkload, SimConfig, SimResult, simulate
 
 from pagefleet.cluster.router import RouterConfig
-from pagefleet.cluster.simulator import ChatWorkload, SimConfig, SimResult, simulate
 
 WAYS = {"session": True, "prefix only": False}  # -> ChatWorkload.sessions
 

@@ -226,8 +226,8 @@ def leaks(cluster: RunningCluster, timeout_s: float = 120.0) -> tuple[int, int, 
                 raise
             time.sleep(1.0)
             continue
-        live = sum(int(s["live"]) for s in stats)
-        unaccounted = sum(int(s["total"]) - int(s["free"]) - int(s["cached"]) for s in stats)
+        live = sum(int(s.live) for s in stats)
+        unaccounted = sum(int(s.total) - int(s.free) - int(s.cached) for s in stats)
         if (live == 0 and unaccounted == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -164,7 +164,7 @@ def main() -> None:
             t_gb = min(t_gb, seconds)
         seconds, stats, outs = pagefleet_run(model_dir, reqs, num_blocks)
         t_pf = min(t_pf, seconds)
-    kv_pf_peak = stats["peak_live"] * BLOCK_SIZE * bpt
+    kv_pf_peak = stats.peak_live * BLOCK_SIZE * bpt
     kv_pf_pool = num_blocks * BLOCK_SIZE * bpt
     same = sum(o == r for o, r in zip(outs, ref, strict=True))
     gb = (t_gb, kv_gb) if kv_gb else None
@@ -185,7 +185,7 @@ def main() -> None:
     if gb is not None:
         print(f"pagefleet vs generate_batch: {gb[0] / t_pf:.2f}x throughput")
     print(f"pagefleet vs one at a time: {t_one / t_pf:.2f}x throughput")
-    print(f"preemptions: {stats['preemptions_total']}; greedy outputs equal to HF one-at-a-time: "
+    print(f"preemptions: {stats.preemptions_total}; greedy outputs equal to HF one-at-a-time: "
           f"{same}/{len(reqs)} (float32: near-ties may differ)")
 
 

@@ -13,6 +13,7 @@ from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.worker.engine import EngineStats
 from pagefleet.worker.llm import LLM
 
 # Small pools and short blocks: a 40-token prompt already spans several blocks.
@@ -127,13 +128,14 @@ def wait_until_no_block_leaked(workers: Sequence[tuple[str, Any]], timeout_s: fl
     def clean() -> bool:
         for _, handle in workers:
             s = ray.get(handle.stats.remote(), timeout=30)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+            if s.live != 0 or s.free + s.cached != s.total:
                 return False
         return True
 
     wait_for(clean, timeout_s, "every worker with free + cached == total and no live blocks", 0.2)
 
 
-def worker_stats(cluster: Any, worker_id: str) -> dict[str, Any]:
+def worker_stats(cluster: Any, worker_id: str) -> EngineStats:
     """`LLMEngine.stats()` of one worker of a running cluster."""
-    return dict(ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30))
+    stats: EngineStats = ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30)
+    return stats

@@ -280,7 +280,7 @@ def no_worker_hurt(cluster: Served, worker_pids: list[int]) -> Iterator[None]:
     def clean() -> bool:
         for handle in _workers(cluster):
             s = ray.get(handle.stats.remote(), timeout=30)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+            if s.live != 0 or s.free + s.cached != s.total:
                 return False
         return True
 

@@ -36,6 +36,7 @@ from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
+from pagefleet.worker.engine import EngineStats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -202,7 +203,7 @@ def _pinned_prompt(prefix: list[int], j: int) -> list[int]:
     return prefix + [260 + (13 * i + 17 * j) % 300 for i in range(32)]
 
 
-def _all_workers_stats(cluster: RunningCluster) -> dict[str, dict[str, Any]]:
+def _all_workers_stats(cluster: RunningCluster) -> dict[str, EngineStats]:
     return {wid: worker_stats(cluster, wid) for wid, _ in cluster.workers["default"]}
 
 
@@ -254,7 +255,7 @@ def test_a_worker_short_of_blocks_hands_a_stream_to_the_idle_worker_output_uncha
     stats = _all_workers_stats(cluster)
 
     def grew(worker_id: str, key: str) -> int:
-        return int(stats[worker_id][key] - stats_before[worker_id][key])
+        return int(getattr(stats[worker_id], key) - getattr(stats_before[worker_id], key))
 
     exported = sum(grew(w, "kv_blocks_exported") for w in stats)
     imported = sum(grew(w, "kv_blocks_imported") for w in stats)

@@ -30,6 +30,7 @@ from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.openai.protocol import chat_prompt, parse_request
 from pagefleet.commands.serve import check_port_free, load_config
+from pagefleet.worker.engine import EngineStats
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 128
@@ -327,13 +328,13 @@ def offline() -> LLM:
     )
 
 
-def _worker_stats(cluster: RunningCluster, pool: str = "default") -> list[dict[str, Any]]:
-    return [dict(ray.get(h.stats.remote(), timeout=30)) for _, h in cluster.workers[pool]]
+def _worker_stats(cluster: RunningCluster, pool: str = "default") -> list[EngineStats]:
+    return [ray.get(h.stats.remote(), timeout=30) for _, h in cluster.workers[pool]]
 
 
 def _pool_is_clean(cluster: RunningCluster, pool: str = "default") -> bool:
     return all(
-        s["live"] == 0 and s["free"] + s["cached"] == s["total"]
+        s.live == 0 and s.free + s.cached == s.total
         for s in _worker_stats(cluster, pool)
     )
 
@@ -780,7 +781,7 @@ def test_full_pool_is_429_and_the_abandoned_streams_free_their_blocks(
                     pool = await asyncio.to_thread(
                         pool_status, cluster.grpc_target, "other", KEY_GLOBEX
                     )
-                    on_worker = stats["num_running"] + stats["num_waiting"]
+                    on_worker = stats.num_running + stats.num_waiting
                     if on_worker == 4 and pool.num_running + pool.num_waiting == 6:
                         break
                     assert time.monotonic() < deadline, f"six requests never admitted: {stats}"
@@ -812,7 +813,7 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(
 
     def totals() -> tuple[int, int]:
         stats = _worker_stats(cluster)
-        return sum(s["cached"] for s in stats), sum(s["requests_aborted"] for s in stats)
+        return sum(s.cached for s in stats), sum(s.requests_aborted for s in stats)
 
     cached_before, aborted_before = totals()
     max_tokens = MAX_MODEL_LEN - 32

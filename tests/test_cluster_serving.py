@@ -85,7 +85,7 @@ def pools_end_clean(cluster: RunningCluster, target: str) -> Iterator[None]:
     def clean() -> bool:
         for worker_id in _live_workers(target):
             s = worker_stats(cluster, worker_id)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+            if s.live != 0 or s.free + s.cached != s.total:
                 return False
         return True
 
@@ -240,7 +240,7 @@ def _leave_mid_stream(cluster: RunningCluster, target: str, how: str) -> None:
     for attempt in range(3):
         channel, it, worker_id = _stream_started(target, f"Leave me after a token ({attempt})")
         stats = worker_stats(cluster, worker_id)
-        if stats["live"] == 0:
+        if stats.live == 0:
             # A loaded machine let the whole request finish before the client could
             # leave: that proves nothing about abort, so try again.
             channel.close()
@@ -252,11 +252,11 @@ def _leave_mid_stream(cluster: RunningCluster, target: str, how: str) -> None:
         # The issue asks for "within a second", which it takes on an idle machine; the
         # bound is loose so a loaded CI box does not turn scheduling delay into a failure.
         # The abort counter tells an aborted request from one that ran to its end.
-        aborted_before = stats["requests_aborted"]
+        aborted_before = stats.requests_aborted
 
         def aborted_and_freed(worker: str = worker_id, before: int = aborted_before) -> bool:
             now = worker_stats(cluster, worker)
-            return bool(now["live"] == 0 and now["requests_aborted"] == before + 1)
+            return bool(now.live == 0 and now.requests_aborted == before + 1)
 
         wait_for(
             aborted_and_freed,
@@ -390,7 +390,7 @@ def _hold_spare0(cluster: RunningCluster, target: str) -> list[tuple[grpc.Channe
     holders = [open_stream_in_pool(target, f"hold the worker {i}", "spare0") for i in range(4)]
     worker_id = cluster.workers["spare0"][0][0]
     wait_for(
-        lambda: (lambda s: s["num_running"] + s["num_waiting"])(worker_stats(cluster, worker_id)) == 4,
+        lambda: (lambda s: s.num_running + s.num_waiting)(worker_stats(cluster, worker_id)) == 4,
         30,
         "four requests on spare0's worker",
     )
@@ -401,7 +401,7 @@ def _on_worker_and_pool(cluster: RunningCluster, target: str) -> tuple[int, int]
     """(requests in spare0's engine, requests the pool status counts incl. the ingress queue)."""
     s = worker_stats(cluster, cluster.workers["spare0"][0][0])
     p = pool_status(target, "spare0")
-    return s["num_running"] + s["num_waiting"], p.num_running + p.num_waiting
+    return s.num_running + s.num_waiting, p.num_running + p.num_waiting
 
 
 def test_request_waits_at_the_ingress_and_runs_when_a_slot_frees(
@@ -493,13 +493,13 @@ def test_full_admission_keeps_a_full_pool_free_of_preemptions(
     worker = cluster.workers["spare0"][0][0]
     prompts = [f"admission {mode} request {i}" for i in range(4)]
     max_tokens = MAX_MODEL_LEN - 20
-    before = worker_stats(cluster, worker)["preemptions_total"]
+    before = worker_stats(cluster, worker).preemptions_total
     cluster.ingress.set_admission.remote(mode).result()
     try:
         results = [f.result(timeout=240) for f in _run_in_spare0(target, prompts, max_tokens)]
     finally:
         cluster.ingress.set_admission.remote("prompt").result()
-    preempted = worker_stats(cluster, worker)["preemptions_total"] - before
+    preempted = worker_stats(cluster, worker).preemptions_total - before
     if mode == "full":
         assert preempted == 0
     else:
@@ -518,14 +518,14 @@ def test_a_high_priority_request_preempts_low_ones_in_a_full_pool_and_finishes_f
     long = MAX_MODEL_LEN - 20
     lows = _run_in_spare0(target, low_prompts, long)
     wait_for(
-        lambda: worker_stats(cluster, worker)["num_running"] == 4, 30, "four low streams running"
+        lambda: worker_stats(cluster, worker).num_running == 4, 30, "four low streams running"
     )
-    before = worker_stats(cluster, worker)["preemptions_total"]
+    before = worker_stats(cluster, worker).preemptions_total
     (high,) = _run_in_spare0(target, ["an urgent request"], 8, priority=5)
     high_result = high.result(timeout=240)
     # Sent at once (not queued behind them), and a low one made way in the engine.
     assert not any(f.done() for f in lows), "the high-priority request should finish first"
-    assert worker_stats(cluster, worker)["preemptions_total"] > before
+    assert worker_stats(cluster, worker).preemptions_total > before
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     assert tokens_of(high_result) == offline.generate("an urgent request", params)[0].token_ids
     long_params = SamplingParams(max_tokens=long, ignore_eos=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -89,8 +88,8 @@ def _outstanding(target: str) -> int:
 def _pools_end_clean(cluster: RunningCluster) -> None:
     def clean() -> bool:
         for _worker_id, handle in cluster.workers["shared"]:
-            s: dict[str, Any] = ray.get(handle.stats.remote(), timeout=30)
-            if s["live"] != 0 or s["free"] + s["cached"] != s["total"]:
+            s = ray.get(handle.stats.remote(), timeout=30)
+            if s.live != 0 or s.free + s.cached != s.total:
                 return False
         return True
 

@@ -55,10 +55,10 @@ def test_leaving_a_stream_early_aborts_and_frees_its_blocks(engine: AsyncEngine)
     asyncio.run(main())
     for _ in range(200):  # the abort is applied by the engine thread between steps
         stats = engine.stats()
-        if stats["num_running"] == 0 and stats["live"] == 0:
+        if stats.num_running == 0 and stats.live == 0:
             break
         asyncio.run(asyncio.sleep(0.01))
-    assert stats["live"] == 0 and stats["num_running"] == 0, stats
+    assert stats.live == 0 and stats.num_running == 0, stats
     engine.check_integrity()
 
 
@@ -81,7 +81,7 @@ def test_cancelling_the_consuming_task_aborts_the_request(engine: AsyncEngine) -
 
     asyncio.run(main())
     stats = engine.stats()
-    assert stats["live"] == 0 and stats["num_running"] == 0, stats
+    assert stats.live == 0 and stats.num_running == 0, stats
 
 
 def test_a_bad_request_raises_from_the_stream(engine: AsyncEngine) -> None:

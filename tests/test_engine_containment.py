@@ -35,4 +35,4 @@ def test_a_request_with_non_finite_logits_fails_alone_and_its_batch_mates_finish
     assert [t for d in got["good"] for t in d.new_token_ids] == [t for d in want for t in d.new_token_ids]
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats

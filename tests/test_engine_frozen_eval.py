@@ -79,8 +79,8 @@ def assert_same_tokens(got: list[list[int]], expected: list[list[int]]) -> None:
 def assert_pool_clean(llm: LLM) -> None:
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0, stats
-    assert stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0, stats
+    assert stats.free + stats.cached == stats.total, stats
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -129,11 +129,11 @@ def test_greedy_equals_hf_under_preemption(ref: Reference, mode: str) -> None:
     llm = _small_pool(ref, mode)
     assert_same_tokens(generate(llm, ref.prompts), ref.expected)
     stats = llm.stats()
-    assert stats["preemptions_total"] > 0, stats
+    assert stats.preemptions_total > 0, stats
     if mode == "swap":
-        assert stats["preemptions_swap"] > 0 and stats["swaps_in"] == stats["swaps_out"], stats
+        assert stats.preemptions_swap > 0 and stats.swaps_in == stats.swaps_out, stats
     if mode == "recompute":
-        assert stats["preemptions_swap"] == 0, stats
+        assert stats.preemptions_swap == 0, stats
     assert_pool_clean(llm)
 
 
@@ -174,7 +174,7 @@ def test_greedy_equals_hf_on_prefix_cache_hits(ref: Reference) -> None:
     assert_same_tokens(first + rest, ref.prefix_expected)
     stats = llm.stats()
     # The 40-token shared prefix is 5 full blocks of 8: each later prompt hits them.
-    assert stats["prefix_hit_tokens"] >= SHARED_PREFIX_LEN * (len(SUFFIX_LENGTHS) - 1), stats
+    assert stats.prefix_hit_tokens >= SHARED_PREFIX_LEN * (len(SUFFIX_LENGTHS) - 1), stats
     assert_pool_clean(llm)
 
 

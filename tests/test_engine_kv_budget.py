@@ -12,7 +12,7 @@ from pagefleet.worker.config import EngineConfig, available_host_memory, default
 
 def test_default_cpu_pool_holds_every_sequence_at_full_length_when_memory_allows() -> None:
     llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256)
-    assert llm.stats()["total"] == 4 * 256 // 16
+    assert llm.stats().total == 4 * 256 // 16
 
 
 def test_default_cpu_budget_is_the_configured_share_of_available_memory() -> None:
@@ -36,7 +36,7 @@ def test_a_float16_kv_cache_holds_twice_the_blocks_of_a_float32_model_in_one_bud
     wide = LLM(model="tiny", kv_memory_bytes=budget)
     narrow = LLM(model="tiny", kv_memory_bytes=budget, kv_cache_dtype="float16")
     assert narrow.engine.kv.cache.tensor.dtype == torch.float16
-    assert narrow.stats()["total"] == 2 * wide.stats()["total"]
+    assert narrow.stats().total == 2 * wide.stats().total
     assert narrow.engine.kv.cache.nbytes <= budget
 
 

@@ -63,15 +63,15 @@ def assert_same_tokens(got: list[list[int]], expected: list[list[int]]) -> None:
 def assert_pool_clean(llm: LLM) -> None:
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0, stats
-    assert stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0, stats
+    assert stats.free + stats.cached == stats.total, stats
 
 
 def test_second_turns_from_the_offload_tier_equal_hf_generate(conv: Conversations) -> None:
     got, llm = run_two_turns(conv, offload_bytes=8 << 20)
     assert_same_tokens(got, conv.expected)
     stats = llm.stats()
-    assert stats["offload_hit_tokens"] > 0, stats
+    assert stats.offload_hit_tokens > 0, stats
     assert_pool_clean(llm)
 
 

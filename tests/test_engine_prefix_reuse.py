@@ -13,7 +13,7 @@ from pagefleet.worker.prefix_hash import hash_token_blocks
 def assert_pool_clean(llm: LLM) -> None:
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -40,9 +40,9 @@ def test_warm_rerun_of_a_workload_larger_than_the_pool_hits_the_cache() -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     llm = LLM(model="tiny", num_kv_blocks=16, max_num_seqs=2)
     llm.generate(prompts, params)
-    cold_hits = llm.stats()["prefix_hit_tokens"]
+    cold_hits = llm.stats().prefix_hit_tokens
     outs = llm.generate(prompts, params)
-    warm_hits = llm.stats()["prefix_hit_tokens"] - cold_hits
+    warm_hits = llm.stats().prefix_hit_tokens - cold_hits
     assert cold_hits == 0
     # Plain LRU evicts each prompt's blocks just before it comes up again (0 hits).
     # Kept for the waiting requests instead: all the pool can keep while two

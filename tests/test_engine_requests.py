@@ -11,7 +11,7 @@ from pagefleet.worker.engine import LLMEngine, RequestError
 def assert_pool_clean(llm: LLM) -> None:
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def test_abort_mid_generation_frees_blocks_at_once(engine: LLMEngine) -> None:
         engine.step()
     before = engine.stats()
     assert engine.abort_request("drop")
-    assert engine.stats()["live"] < before["live"]
-    assert engine.stats()["requests_aborted"] == before["requests_aborted"] + 1
+    assert engine.stats().live < before.live
+    assert engine.stats().requests_aborted == before.requests_aborted + 1
     engine.check_integrity()
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == "drop"]
@@ -102,9 +102,9 @@ def test_abort_of_a_waiting_request_and_of_an_unknown_id(engine: LLMEngine) -> N
     assert engine.abort_request("w")
     assert not engine.abort_request("w")
     assert not engine.abort_request("never-seen")
-    aborted = engine.stats()["requests_aborted"]
+    aborted = engine.stats().requests_aborted
     assert not engine.abort_request("w")  # an unknown or finished id is not counted
-    assert engine.stats()["requests_aborted"] == aborted
+    assert engine.stats().requests_aborted == aborted
     assert [o.finish_reason for o in engine.step()] == ["abort"]
     assert not engine.has_unfinished_requests()
 
@@ -156,10 +156,10 @@ def test_stop_string_is_excluded_and_streamed_text_matches(
 def test_parallel_greedy_completions_share_blocks_copy_on_write(
     llm: LLM, greedy_reference: list[int]
 ) -> None:
-    cow_before = llm.stats()["cow_copies"]
+    cow_before = llm.stats().cow_copies
     out = llm.generate(PROMPT, SamplingParams(max_tokens=24, n=3, ignore_eos=True))[0]
     # The prompt's last block is partly filled: each fork's first write copies it.
-    assert llm.stats()["cow_copies"] > cow_before
+    assert llm.stats().cow_copies > cow_before
     assert [c.token_ids for c in out.outputs] == [greedy_reference] * 3
     assert_pool_clean(llm)
 
@@ -200,7 +200,7 @@ def test_lower_priority_is_preempted_even_when_admitted_first() -> None:
     finished: list[str] = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
-    assert engine.stats()["preemptions_total"] > 0
+    assert engine.stats().preemptions_total > 0
     assert finished == ["high", "low"]
     assert_pool_clean(llm)
 
@@ -210,7 +210,7 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_full() -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     llm.generate([list(range(3, 23)), list(range(30, 50))], params)
     stats = llm.stats()
-    assert stats["preemptions_recompute"] > 0 and stats["swaps_out"] == 0, stats
+    assert stats.preemptions_recompute > 0 and stats.swaps_out == 0, stats
     assert_pool_clean(llm)
 
 
@@ -235,7 +235,7 @@ def test_live_blocks_are_counted_per_tenant_salt(engine: LLMEngine) -> None:
     per_tenant = engine.tenant_live_blocks()
     # 37 prompt tokens + 1 = 3 blocks of 16; 10 + 1 and 5 + 1 tokens: one block each.
     assert per_tenant == {"tenant-a": 3, "tenant-b": 1, "": 1}
-    assert sum(per_tenant.values()) == engine.stats()["live"]
+    assert sum(per_tenant.values()) == engine.stats().live
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.tenant_live_blocks() == {}
@@ -248,14 +248,14 @@ def test_evict_cached_frees_lru_cached_blocks_with_removed_events(engine: LLMEng
         engine.step()
     engine.drain_kv_events()
     before = engine.stats()
-    assert before["cached"] >= 2
+    assert before.cached >= 2
     assert engine.evict_cached(1) == 1
     after = engine.stats()
-    assert (after["cached"], after["free"]) == (before["cached"] - 1, before["free"] + 1)
-    assert after["evictions"] == before["evictions"] + 1
+    assert (after.cached, after.free) == (before.cached - 1, before.free + 1)
+    assert after.evictions == before.evictions + 1
     assert [kind for kind, _ in engine.drain_kv_events()] == ["removed"]
-    assert engine.evict_cached(10**6) == before["cached"] - 1  # never more than there are
-    assert engine.stats()["cached"] == 0
+    assert engine.evict_cached(10**6) == before.cached - 1  # never more than there are
+    assert engine.stats().cached == 0
 
 
 def test_evict_cached_rejects_a_negative_count(engine: LLMEngine) -> None:
@@ -290,7 +290,7 @@ def test_waiting_higher_priority_preempts_a_running_lower_one_for_blocks(mode: s
     done = run_low_then_high(llm, priority=5)
     assert list(done) == ["high", "low"]
     stats = llm.stats()
-    assert stats[f"preemptions_{mode}"] >= 1, stats
+    assert getattr(stats, f"preemptions_{mode}") >= 1, stats
     # Preempted or not, greedy output is the output each request has alone.
     assert done["low"] == alone(llm, list(range(3, 43)), 20)
     assert done["high"] == alone(llm, list(range(50, 70)), 8)
@@ -301,7 +301,7 @@ def test_waiting_higher_priority_preempts_for_a_sequence_slot() -> None:
     llm = LLM(model="tiny", block_size=16, num_kv_blocks=16, max_num_seqs=1)
     done = run_low_then_high(llm, priority=5)
     assert list(done) == ["high", "low"]
-    assert llm.stats()["preemptions_total"] >= 1
+    assert llm.stats().preemptions_total >= 1
     assert done["low"] == alone(llm, list(range(3, 43)), 20)
     assert_pool_clean(llm)
 
@@ -310,7 +310,7 @@ def test_equal_priority_waits_instead_of_preempting() -> None:
     llm = LLM(model="tiny", block_size=16, num_kv_blocks=4)
     done = run_low_then_high(llm, priority=0)
     assert list(done) == ["low", "high"]
-    assert llm.stats()["preemptions_total"] == 0
+    assert llm.stats().preemptions_total == 0
     assert_pool_clean(llm)
 
 
@@ -324,7 +324,7 @@ def test_no_preemption_when_the_lower_ones_cannot_make_room() -> None:
     engine.step()  # top 1 block, low 3 blocks, 1 free
     engine.add_request("big", list(range(3, 83)), SamplingParams(max_tokens=1), priority=5)  # 5 blocks
     engine.step()
-    assert llm.stats()["preemptions_total"] == 0
+    assert llm.stats().preemptions_total == 0
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_clean(llm)
@@ -344,7 +344,7 @@ def test_block_claims_count_what_requests_hold_at_max_tokens() -> None:
     assert claims.by_priority == {0: (1, 4), 2: (1, 6)}
     assert claims.committed == 10  # nothing held yet
     engine.step()
-    assert engine.block_claims().committed == 10 - engine.stats()["live"]
+    assert engine.block_claims().committed == 10 - engine.stats().live
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_claims().committed == 0

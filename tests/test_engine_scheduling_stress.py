@@ -62,11 +62,11 @@ def test_random_traffic_keeps_integrity_and_greedy_answers(
             break
     assert not engine.has_unfinished_requests()
     stats = llm.stats()
-    assert stats["preemptions_total"] > 0, stats
-    assert stats["prefix_hit_tokens"] > 0 and stats["cow_copies"] > 0, stats
+    assert stats.preemptions_total > 0, stats
+    assert stats.prefix_hit_tokens > 0 and stats.cow_copies > 0, stats
     if mode == "swap":
-        assert stats["swaps_in"] > 0, stats
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+        assert stats.swaps_in > 0, stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
     for request_id, (prompt, params) in requests.items():
         if request_id in aborted:
             continue

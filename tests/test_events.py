@@ -6,6 +6,7 @@ import contextlib
 
 import msgpack
 import pytest
+from engine_stats import engine_stats
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,23 +186,21 @@ def test_unknown_kv_event_type_is_rejected_at_construction() -> None:
 
 
 def test_report_from_engine_stats_reads_pool_counters() -> None:
-    stats = {
-        "total": 64, "free": 10, "live": 30, "cached": 24, "peak_live": 50,
-        "prefix_query_tokens": 100, "prefix_hit_tokens": 40, "evictions": 3,
-        "num_running": 4, "num_waiting": 2, "preemptions": {"recompute": 5},
-    }  # fmt: skip
+    stats = engine_stats(
+        total=64, free=10, live=30, cached=24, peak_live=50,
+        prefix_query_tokens=100, prefix_hit_tokens=40, evictions=3,
+        num_running=4, num_waiting=2, preemptions_recompute=5,
+    )  # fmt: skip
     report = LoadReport.from_engine_stats("w3", "chat", 11, stats, timestamp=1.0)
     assert (report.total_blocks, report.free_blocks, report.live_blocks) == (64, 10, 30)
     assert (report.cached_blocks, report.peak_live_blocks) == (24, 50)
     assert (report.num_running, report.num_waiting, report.evictions) == (4, 2, 3)
-    assert report.preemptions == {"recompute": 5}
+    assert report.preemptions == {"recompute": 5, "swap": 0}
     assert report.hit_rate == pytest.approx(0.4)
 
 
-def test_report_from_engine_stats_accepts_per_mode_preemption_keys() -> None:
-    stats = {
-        "total": 8, "preemptions_recompute": 2, "preemptions_swap": 1, "preemptions_total": 3,
-    }  # fmt: skip
+def test_report_from_engine_stats_counts_preemptions_by_mode() -> None:
+    stats = engine_stats(total=8, preemptions_recompute=2, preemptions_swap=1)
     report = LoadReport.from_engine_stats("w", "p", 1, stats)
     assert report.total_blocks == 8
     assert report.preemptions == {"recompute": 2, "swap": 1}
@@ -218,7 +217,7 @@ def test_report_from_a_real_block_pools_counters() -> None:
     blocks = pool.allocate(5)
     pool.register(blocks[0], b"h" * 32)
     pool.free(blocks[:1])
-    report = LoadReport.from_engine_stats("w", "p", 1, pool.stats().as_dict())
+    report = LoadReport.from_engine_stats("w", "p", 1, engine_stats(**pool.stats().as_dict()))
     assert (report.total_blocks, report.live_blocks, report.cached_blocks) == (32, 4, 1)
     assert report.free_blocks == 27
     assert report.peak_live_blocks == 5

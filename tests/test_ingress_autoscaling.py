@@ -119,4 +119,4 @@ def test_held_streams_scale_the_ingress_out_and_idle_scales_it_back(cluster: Run
     channel.close()
     wait_for(lambda: _running_replicas() == 1, 180, "back to one ingress replica when idle", 0.5)
     s = worker_stats(cluster, worker_id)
-    assert s["live"] == 0 and s["free"] + s["cached"] == s["total"]
+    assert s.live == 0 and s.free + s.cached == s.total

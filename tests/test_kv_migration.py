@@ -57,7 +57,7 @@ def _run(engine: LLMEngine, request_id: str, prompt: list[int], params: Sampling
 def _assert_clean(engine: LLMEngine) -> None:
     engine.check_integrity()
     stats = engine.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
 
 
 def _partial(engine: LLMEngine, request_id: str, prompt: list[int], salt: str) -> list[int]:
@@ -91,7 +91,7 @@ def test_a_request_resumed_from_transferred_blocks_computes_only_its_tail_and_ma
     blocks = from_bytes(to_bytes(exported.blocks), exported.dtype_name, exported.blocks.shape)
     assert target.import_kv(list(exported.block_hashes), blocks) == full
     _assert_clean(target)  # imported blocks are cached (ref 0), not live
-    assert target.stats()["cached"] == full and target.stats()["kv_blocks_imported"] == full
+    assert target.stats().cached == full and target.stats().kv_blocks_imported == full
 
     rest = SamplingParams(max_tokens=MAX_NEW - len(streamed), ignore_eos=True)
     got, cached = _run(target, "r", context, rest, salt="t")
@@ -100,7 +100,7 @@ def test_a_request_resumed_from_transferred_blocks_computes_only_its_tail_and_ma
     # The other half of isolation: another tenant's same tokens do not hit the imported blocks.
     other, other_cached = _run(target, "o", context, rest, salt="u")
     assert other_cached == 0 and other == got
-    assert source.stats()["kv_blocks_exported"] == full
+    assert source.stats().kv_blocks_exported == full
     _assert_clean(source)
     _assert_clean(target)
 
@@ -122,12 +122,12 @@ def test_an_import_skips_held_hashes_and_writes_only_what_fits_beside_live_block
     small = _engine(model_dir, num_kv_blocks=8)
     small.add_request("busy", prompt_ids(33, seed=9), SamplingParams(max_tokens=4, ignore_eos=True))
     small.step()
-    assert small.stats()["live"] == 5
+    assert small.stats().live == 5
     assert small.import_kv(hashes[:2], exported.blocks[:2]) == 2
     # Those 2 are held now (and kept), 1 block is free: of the other 3, the first fits.
     assert small.import_kv(hashes, exported.blocks) == 1
     small.check_integrity()
-    assert small.kv.num_leading(hashes) == 3 and small.stats()["live"] == 5
+    assert small.kv.num_leading(hashes) == 3 and small.stats().live == 5
     while small.has_unfinished_requests():
         small.step()
     _assert_clean(small)

@@ -44,7 +44,7 @@ def test_an_invalid_prompt_fails_the_call_and_leaves_the_pool_clean(llm: LLM) ->
         llm.generate([[5, 6, 7], []], SamplingParams())
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["num_waiting"] == 0 and stats["num_running"] == 0
+    assert stats.live == 0 and stats.num_waiting == 0 and stats.num_running == 0
 
 
 def test_stats_report_pool_counters_queues_and_preemptions(llm: LLM) -> None:
@@ -53,6 +53,6 @@ def test_stats_report_pool_counters_queues_and_preemptions(llm: LLM) -> None:
     for key in ("total", "free", "live", "cached", "peak_live", "prefix_query_tokens",
                 "prefix_hit_tokens", "evictions", "num_running", "num_waiting",
                 "preemptions_recompute", "preemptions_swap", "swaps_out", "swaps_in"):
-        assert key in stats
-    assert stats["total"] == 64 and stats["peak_live"] >= 2
-    assert stats["free"] + stats["cached"] == stats["total"]
+        assert hasattr(stats, key)
+    assert stats.total == 64 and stats.peak_live >= 2
+    assert stats.free + stats.cached == stats.total

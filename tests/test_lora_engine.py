@@ -128,16 +128,16 @@ def test_adapter_outputs_survive_preemption(ref: Reference) -> None:
     )
     prompts, adapters = mixed_batch(ref)
     outs = small.generate(prompts, GREEDY, adapter=adapters)
-    assert small.stats()["preemptions_total"] > 0
+    assert small.stats().preemptions_total > 0
     for prompt, adapter, out in zip(prompts, adapters, outs, strict=True):
         assert_matches(ref, adapter, prompt, out.token_ids)
     small.check_integrity()
 
 
 def hit_tokens(llm: LLM, prompt: list[int], adapter: str | None) -> int:
-    before = llm.stats()["prefix_hit_tokens"]
+    before = llm.stats().prefix_hit_tokens
     llm.generate([prompt], SamplingParams(max_tokens=1), adapter=adapter)
-    return llm.stats()["prefix_hit_tokens"] - before
+    return llm.stats().prefix_hit_tokens - before
 
 
 def test_prefix_cache_hits_within_an_adapter_and_misses_across_adapters_and_base(
@@ -161,7 +161,7 @@ def test_one_slot_alternating_two_adapters_loads_each_time_and_keeps_outputs(
         (out,) = one.generate([prompt], GREEDY, adapter=adapter)
         assert_matches(ref, adapter, prompt, out.token_ids)
         stats = one.stats()
-        assert (stats["lora_loads"], stats["lora_evictions"]) == (turn, turn - 1)
+        assert (stats.lora_loads, stats.lora_evictions) == (turn, turn - 1)
         assert one.engine.resident_adapters() == (adapter,)
 
 
@@ -171,7 +171,7 @@ def test_one_slot_serves_a_batch_of_both_adapters_in_turn(ref: Reference) -> Non
     outs = one.generate(prompts, GREEDY, adapter=adapters)
     for prompt, adapter, out in zip(prompts, adapters, outs, strict=True):
         assert_matches(ref, adapter, prompt, out.token_ids)
-    assert one.stats()["lora_loads"] >= 2
+    assert one.stats().lora_loads >= 2
 
 
 def test_an_adapter_in_use_is_never_evicted_and_the_other_request_waits(ref: Reference) -> None:
@@ -188,7 +188,7 @@ def test_an_adapter_in_use_is_never_evicted_and_the_other_request_waits(ref: Ref
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["a", "b"]
     assert engine.resident_adapters() == ("beta",)
-    assert engine.stats()["lora_loads"] == 2
+    assert engine.stats().lora_loads == 2
 
 
 def test_an_unknown_adapter_is_refused_with_the_served_names(llm: LLM) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine_stats import engine_stats
 from prometheus_client import generate_latest
 
 from pagefleet.cluster.metrics import IngressMetrics
@@ -24,7 +25,7 @@ def test_report_counters_exist_at_zero_before_their_first_event() -> None:
     from pagefleet.worker.events import LoadReport
 
     metrics = IngressMetrics()
-    stats = {"total": 8, "free": 8, "live": 0, "cached": 0, "peak_live": 0}
+    stats = engine_stats(total=8, free=8)
     metrics.observe_report(LoadReport.from_engine_stats("w0", "default", 1, stats))
     body = generate_latest(metrics.registry).decode()
     assert 'prefix_cache_hits_total{pool="default",worker="w0"} 0.0' in body
@@ -35,8 +36,8 @@ def test_migration_counters_follow_the_reports_through_the_wire() -> None:
     from pagefleet.worker.events import LoadReport
 
     metrics = IngressMetrics()
-    stats = {"total": 8, "free": 8, "live": 0, "cached": 0, "peak_live": 0,
-             "kv_blocks_exported": 5, "kv_blocks_imported": 3, "kv_import_failures": 1}
+    stats = engine_stats(total=8, free=8, kv_blocks_exported=5, kv_blocks_imported=3,
+                         kv_import_failures=1)
     report = LoadReport.decode(LoadReport.from_engine_stats("w0", "default", 1, stats).encode())
     metrics.observe_report(report)
     metrics.migrations.labels(pool="default", mode="transfer").inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_stats import engine_stats
 from prometheus_client import generate_latest
 
 from pagefleet import LLM, SamplingParams
@@ -217,8 +218,8 @@ def test_kv_events_of_the_tier_survive_the_wire() -> None:
 
 
 def test_load_report_carries_the_tier_counters() -> None:
-    stats = {"total": 8, "free": 8, "offload_blocks": 5, "offload_hit_tokens": 64,
-             "offload_bytes_in": 1000, "offload_bytes_out": 3000}  # fmt: skip
+    stats = engine_stats(total=8, free=8, offload_blocks=5, offload_hit_tokens=64,
+                         offload_bytes_in=1000, offload_bytes_out=3000)  # fmt: skip
     report = LoadReport.from_engine_stats("w", "chat", 1, stats)
     decoded = LoadReport.decode(report.encode())
     assert (decoded.offload_blocks, decoded.offload_hit_tokens) == (5, 64)
@@ -333,7 +334,7 @@ def two_turns(llm: LLM, firsts: list[list[int]]) -> list[int]:
 def assert_clean(llm: LLM) -> None:
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
 
 
 # 12 blocks of 8 tokens hold about two of four 40-token histories; the tier holds all.
@@ -354,16 +355,16 @@ def test_returning_conversations_hit_the_tier_and_count_as_cached(tier_llm: LLM)
     stats = tier_llm.stats()
     # Each history's 5 full blocks come back: from the pool or copied from the tier.
     assert cached == [40] * 4, cached
-    assert stats["offload_hit_tokens"] > before["offload_hit_tokens"], stats
-    assert stats["offload_bytes_in"] > before["offload_bytes_in"], stats
-    assert stats["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= sum(cached), stats
+    assert stats.offload_hit_tokens > before.offload_hit_tokens, stats
+    assert stats.offload_bytes_in > before.offload_bytes_in, stats
+    assert stats.prefix_hit_tokens - before.prefix_hit_tokens >= sum(cached), stats
     assert_clean(tier_llm)
 
 
 def test_without_the_tier_the_same_conversations_recompute(plain_llm: LLM) -> None:
     cached = two_turns(plain_llm, conversations(4, 40, seed=1))
     assert sum(cached) < 4 * 40
-    assert plain_llm.stats()["offload_hit_tokens"] == 0
+    assert plain_llm.stats().offload_hit_tokens == 0
 
 
 def test_kv_events_name_blocks_that_moved_to_the_tier(tier_llm: LLM) -> None:
@@ -377,17 +378,17 @@ def test_abort_after_a_tier_hit_leaks_nothing(tier_llm: LLM) -> None:
     engine = tier_llm.engine
     firsts = conversations(4, 40, seed=3)
     tier_llm.generate(firsts, TURN)
-    before = tier_llm.stats()["offload_hit_tokens"]
+    before = tier_llm.stats().offload_hit_tokens
     engine.add_request("back", firsts[0] + [9], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert tier_llm.stats()["offload_hit_tokens"] > before
+    assert tier_llm.stats().offload_hit_tokens > before
     assert engine.abort_request("back")
     engine.step()
     assert_clean(tier_llm)
 
 
 def test_preemption_with_the_tier_leaks_nothing(tier_llm: LLM) -> None:
-    before = tier_llm.stats()["preemptions_total"]
+    before = tier_llm.stats().preemptions_total
     tier_llm.generate(conversations(4, 40, seed=4), SamplingParams(max_tokens=16, ignore_eos=True))
-    assert tier_llm.stats()["preemptions_total"] > before
+    assert tier_llm.stats().preemptions_total > before
     assert_clean(tier_llm)

@@ -170,11 +170,11 @@ def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) 
         for ref in stream:
             ray.get(ref)
         deadline = time.monotonic() + 60
-        while (stats := ray.get(worker.stats.remote()))["evictions"] == 0:
+        while (stats := ray.get(worker.stats.remote())).evictions == 0:
             assert time.monotonic() < deadline, f"no eviction within 60 s: {stats}"
             time.sleep(0.1)
-        assert stats["cached"] == 0 and stats["live"] == 0
-        assert stats["free"] == stats["total"]
+        assert stats.cached == 0 and stats.live == 0
+        assert stats.free == stats.total
         # The evictions reach the scheduler's index as "removed" events.
         while ray.get(sched.cached_hashes.remote("evicting-worker")):
             assert time.monotonic() < deadline, "the scheduler's index still lists evicted blocks"
@@ -257,9 +257,9 @@ def test_an_abort_reaches_a_request_waiting_in_another_replicas_queue(scheduler:
     try:
         asyncio.run(scenario())
         deadline = time.monotonic() + 30
-        while (stats := ray.get(worker.stats.remote()))["live"]:
+        while (stats := ray.get(worker.stats.remote())).live:
             assert time.monotonic() < deadline, f"blocks still live: {stats}"
             time.sleep(0.1)
-        assert stats["free"] + stats["cached"] == stats["total"]
+        assert stats.free + stats.cached == stats.total
     finally:
         ray.kill(worker, no_restart=True)

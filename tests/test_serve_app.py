@@ -93,7 +93,7 @@ def test_user_config_sets_pool_sizes_and_names_a_bad_field() -> None:
     assert parse_user_config(None, config) == {}
     with pytest.raises(ValueError, match=r"pool_workers\.c: unknown pool \(pools: a, b\)"):
         parse_user_config({"pool_workers": {"c": 1}}, config)
-    with pytest.raises(ValueError, match=r"pool_workers\.a: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"pool_workers\.a: must be >= 1, got 0"):
         parse_user_config({"pool_workers": {"a": 0}}, config)
     with pytest.raises(ValueError, match=r"user_config\.workers: unknown field \(known: pool_workers\)"):
         parse_user_config({"workers": 2}, config)

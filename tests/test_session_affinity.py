@@ -112,7 +112,7 @@ def _served_by(cluster: RunningCluster, send: Callable[[], None]) -> str:
 
     def queries() -> dict[str, int]:
         return {
-            wid: int(ray.get(h.stats.remote(), timeout=30)["prefix_query_tokens"])
+            wid: int(ray.get(h.stats.remote(), timeout=30).prefix_query_tokens)
             for wid, h in cluster.workers["default"]
         }
 

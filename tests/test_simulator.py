@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pagefleet.cluster.router import RouterConfig
-from pagefleet.cluster.simulator import (
-    EVICTION_MODES,
-    SimConfig,
-    Simulation,
-    Workload,
-    format_table,
-    ideal_hit_rate,
-    make_requests,
-    simulate,
-)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "simulator.py"
+_spec = importlib.util.spec_from_file_location("simulator", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+sim_module = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = sim_module  # dataclasses look their module up while the file runs
+_spec.loader.exec_module(sim_module)
+
+EVICTION_MODES = sim_module.EVICTION_MODES
+SimConfig = sim_module.SimConfig
+Simulation = sim_module.Simulation
+Workload = sim_module.Workload
+format_table = sim_module.format_table
+ideal_hit_rate = sim_module.ideal_hit_rate
+make_requests = sim_module.make_requests
+simulate = sim_module.simulate
 
 WORKLOAD = Workload(
     num_requests=160, num_groups=6, system_prompt_tokens=256, suffix_tokens=32, arrival_rate=10.0
@@ -119,11 +128,9 @@ def test_scheduler_steered_eviction_keeps_every_pool_whole(mode: str) -> None:
 
 
 def test_several_seeds_print_medians_against_the_single_replica(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagefleet.cluster.simulator import main
-
     argv = ["--requests", "40", "--groups", "2", "--system-tokens", "64", "--workers", "2",
             "--policies", "prefix_affinity", "--ingress-replicas", "1,2", "--seeds", "2"]  # fmt: skip
-    assert main(argv) == 0
+    assert sim_module.main(argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| prefix")]
     assert [row.split("|")[3].strip() for row in rows] == ["1", "2"]
     assert rows[0].split("|")[5].strip() == "100.0%"  # one replica against itself

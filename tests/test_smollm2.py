@@ -112,13 +112,13 @@ def test_paged_greedy_equals_hf_generate_with_shared_prefix_preemption_and_chunk
     before = llm.stats()
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True))
     stats = llm.stats()
-    assert stats["preemptions_total"] > before["preemptions_total"], "no preemption happened"
-    assert stats["prefix_hit_tokens"] > before["prefix_hit_tokens"], "no shared prefix was hit"
+    assert stats.preemptions_total > before.preemptions_total, "no preemption happened"
+    assert stats.prefix_hit_tokens > before.prefix_hit_tokens, "no shared prefix was hit"
     for prompt, out in zip(prompts, outs, strict=True):
         expected = hf_greedy(hf, prompt, MAX_NEW_TOKENS)
         assert_greedy_equal(hf, prompt, expected, out.token_ids)
     llm.check_integrity()
-    assert stats["free"] + stats["cached"] == stats["total"]
+    assert stats.free + stats.cached == stats.total
 
 
 def test_generate_chat_command_answers_with_the_models_template(

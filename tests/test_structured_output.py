@@ -226,7 +226,7 @@ def test_a_request_handed_off_with_its_kv_blocks_continues_its_grammar() -> None
     )  # fmt: skip
     rest = run_until_done(target.engine)["r"]
     assert streamed + rest == whole.token_ids
-    assert target.stats()["prefix_hit_tokens"] > 0
+    assert target.stats().prefix_hit_tokens > 0
     check(spec, whole.text)
 
 

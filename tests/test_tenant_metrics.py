@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from engine_stats import engine_stats
 from prometheus_client import generate_latest
 
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.worker.events import LoadReport
 
-STATS = {"total": 8, "free": 4, "live": 4, "cached": 0, "peak_live": 4}
+STATS = engine_stats(total=8, free=4, live=4, peak_live=4)
 
 
 def _report(seq: int, live: dict[str, int], refusals: dict[str, int]) -> LoadReport:

@@ -35,7 +35,7 @@ def engine(llm: LLM) -> Iterator[LLMEngine]:
     yield llm.engine
     llm.check_integrity()
     stats = llm.stats()
-    assert stats["live"] == 0 and stats["free"] + stats["cached"] == stats["total"], stats
+    assert stats.live == 0 and stats.free + stats.cached == stats.total, stats
 
 
 def _prompt(i: int, length: int = 12) -> list[int]:
@@ -89,7 +89,7 @@ def test_past_its_cap_a_tenant_preempts_its_own_sequence_not_another_tenant_s(
     engine.add_request("c1", _prompt(1, 4), params, salt="capped")
     engine.add_request("c2", _prompt(2, 4), params, salt="capped")
     engine.add_request("f1", _prompt(3, 4), params, salt="free")
-    before = engine.stats()["preemptions_total"]
+    before = engine.stats().preemptions_total
     computed_free = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -98,7 +98,7 @@ def test_past_its_cap_a_tenant_preempts_its_own_sequence_not_another_tenant_s(
             assert seq.status is SequenceStatus.RUNNING, "the uncapped tenant was preempted"
             assert seq.num_computed_tokens >= computed_free
             computed_free = seq.num_computed_tokens
-    assert engine.stats()["preemptions_total"] > before
+    assert engine.stats().preemptions_total > before
     assert engine.tenant_cap_refusals()["capped"] >= 1
 
 

@@ -60,7 +60,7 @@ async def _settled(actor: WorkerActor) -> dict[str, int]:
     """The engine's counters once nothing is live (aborts apply between two steps)."""
     for _ in range(500):
         stats = await actor.stats()
-        if stats["live"] == 0 and stats["num_running"] == 0:
+        if stats.live == 0 and stats.num_running == 0:
             return stats
         await asyncio.sleep(0.01)
     raise AssertionError(f"blocks still live: {stats}")
@@ -86,7 +86,7 @@ def test_a_handed_off_request_ends_its_stream_naming_the_target_and_frees_its_bl
     assert all(d.migrated_to is None and d.finish_reason is None for d in got[:-1])
     streamed = [t for d in got for t in d.token_ids]
     assert 5 <= len(streamed) < len(want) and streamed == want[: len(streamed)]
-    assert stats["free"] + stats["cached"] == stats["total"]
+    assert stats.free + stats.cached == stats.total
 
 
 def test_abort_by_key_ends_the_request_of_that_key_whichever_replica_sent_it() -> None:
@@ -108,7 +108,7 @@ def test_abort_by_key_ends_the_request_of_that_key_whichever_replica_sent_it() -
     assert not unknown and found
     assert rest_mine[-1].finish_reason == "abort"
     assert all(d.finish_reason is None for d in more_theirs)  # the other tenant's runs on
-    assert stats["free"] + stats["cached"] == stats["total"]
+    assert stats.free + stats.cached == stats.total
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_an_engine_short_of_blocks_says_so_and_lists_its_requests_latest_admitte
         engine.step()
     assert engine.blocks_short() == 0 and engine.request_loads() == []
     stats = engine.stats()
-    assert stats["free"] + stats["cached"] == stats["total"]
+    assert stats.free + stats.cached == stats.total
 
 
 def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
@@ -153,7 +153,7 @@ def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
         ]
         await asyncio.gather(*(_take(s, 1) for s in streams))
         # The streams buffer; the engine runs on until one of them is preempted.
-        while (await actor.stats())["preemptions_total"] == 0:
+        while (await actor.stats()).preemptions_total == 0:
             await asyncio.sleep(0.002)
         report = LoadReport.decode(actor._load_report())
         for s in streams:
@@ -243,10 +243,10 @@ def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_
     assert [t for d in got + rest for t in d.token_ids] == want
     assert rest[-1].finish_reason == "length"
     assert rest[0].cached_tokens == len(kv.block_hashes) * BLOCK_SIZE  # only the tail computed
-    assert source_stats["kv_blocks_exported"] == target_stats["kv_blocks_imported"] == len(kv.block_hashes)
-    assert target_stats["kv_import_failures"] == 0
+    assert source_stats.kv_blocks_exported == target_stats.kv_blocks_imported == len(kv.block_hashes)
+    assert target_stats.kv_import_failures == 0
     for stats in (source_stats, target_stats):
-        assert stats["free"] + stats["cached"] == stats["total"]
+        assert stats.free + stats.cached == stats.total
 
 
 def test_a_hand_off_whose_blocks_cannot_be_fetched_is_recomputed_with_the_same_output(
@@ -272,8 +272,8 @@ def test_a_hand_off_whose_blocks_cannot_be_fetched_is_recomputed_with_the_same_o
     got, rest, stats = asyncio.run(main())
     assert [t for d in got + rest for t in d.token_ids] == want
     assert rest[0].cached_tokens == 0  # recomputed
-    assert stats["kv_import_failures"] == 1 and stats["kv_blocks_imported"] == 0
-    assert stats["free"] + stats["cached"] == stats["total"]
+    assert stats.kv_import_failures == 1 and stats.kv_blocks_imported == 0
+    assert stats.free + stats.cached == stats.total
 
 
 def test_an_abort_while_the_blocks_are_fetched_ends_the_request_before_it_runs(
@@ -295,4 +295,4 @@ def test_an_abort_while_the_blocks_are_fetched_ends_the_request_before_it_runs(
 
     got, stats = asyncio.run(main())
     assert [d.finish_reason for d in got] == ["abort"] and not got[0].token_ids
-    assert stats["num_waiting"] == 0 and stats["free"] == stats["total"]
+    assert stats.num_waiting == 0 and stats.free == stats.total

@@ -78,7 +78,9 @@ class ConfigError(ValueError):
 # field types ------------------------------------------------------------------------------
 
 
-def _port(value: int) -> int:
+def check_port(value: int) -> int:
+    """The rule of every port in the config (`Port`), also the CLI's port flags': 0 (a free
+    port) to 65535; ValueError otherwise."""
     if not 0 <= value <= 65535:
         raise ValueError(f"must be in [0, 65535], got {value}")
     return value
@@ -102,7 +104,8 @@ def _header_name(value: str) -> str:
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-Port = Annotated[int, AfterValidator(_port)]
+Port = Annotated[int, AfterValidator(check_port)]
+PoolSize = Annotated[int, Field(ge=1)]  # workers of a pool: it keeps at least one
 MessageBytes = Annotated[ByteSize, AfterValidator(_message_limit)]
 # Non-negative seconds, and seconds that must pass at all.
 Seconds = Annotated[float, Field(ge=0)]
@@ -282,14 +285,14 @@ class PoolConfig(Section):
     """
 
     name: NonEmptyStr
-    workers: Annotated[int, Field(ge=1)] = 1
+    workers: PoolSize = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_gpus_per_worker: Annotated[float | None, Field(ge=0)] = None
     # Ray labels a node must carry to host this pool's workers (`ray start --labels`).
     node_labels: Annotated[dict[str, str], Field(strict=False)] = Field(default_factory=dict)
     # Autoscaling bounds (None: `workers`, a fixed size).
-    min_workers: Annotated[int | None, Field(ge=1)] = None
-    max_workers: Annotated[int | None, Field(ge=1)] = None
+    min_workers: PoolSize | None = None
+    max_workers: PoolSize | None = None
     engine: EngineConfig = EngineConfig()
 
     @field_validator("node_labels", mode="before")

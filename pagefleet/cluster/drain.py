@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 
 from pagefleet.cluster.api import Front, StreamDelta, Target, request_id_or_new
 from pagefleet.cluster.config import TenantConfig
@@ -45,6 +45,11 @@ class Drain:
         """Await `callback()` as soon as draining starts (the gRPC health service goes
         NOT_SERVING at once, not at its next refresh)."""
         self._on_start.append(callback)
+
+    def serving(self, live_workers: Mapping[str, int]) -> bool:
+        """The health both fronts report (gRPC SERVING, HTTP 200): every pool has a live
+        worker (`Front.live_workers()`) and draining has not started."""
+        return all(n > 0 for n in live_workers.values()) and not self.draining
 
     @property
     def in_flight(self) -> int:

@@ -187,11 +187,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def serving_status(
-    ingress: Front, drain: Drain | None = None
+    ingress: Front, drain: Drain
 ) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
-    """SERVING while every pool has a live worker (as the HTTP /health says) and the server
-    is not draining, else NOT_SERVING."""
-    ok = all(n > 0 for n in ingress.live_workers().values()) and not (drain and drain.draining)
+    """SERVING while `Drain.serving` (as the HTTP /health says), else NOT_SERVING."""
+    ok = drain.serving(ingress.live_workers())
     return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
 
 

@@ -47,6 +47,7 @@ from pagefleet.cluster.config import (
     ClusterConfig,
     ConfigError,
     NonEmptyStr,
+    PoolSize,
     Port,
     PositiveSeconds,
     Section,
@@ -204,33 +205,30 @@ def parse_args(args: Mapping[str, Any]) -> BuildArgs:
         raise ConfigError(f"pagefleet args.{exc}") from None
 
 
+class WorkersUserConfig(Section):
+    """The `pagefleet-workers` deployment's `user_config` (`parse_user_config`)."""
+
+    pool_workers: dict[str, PoolSize] | None = None  # pool -> workers to bring it to
+
+
 def parse_user_config(user_config: Any, config: ClusterConfig) -> dict[str, int]:
     """`{pool: workers}` from the `pagefleet-workers` deployment's `user_config`;
-    ValueError names the bad field."""
+    ValueError (a ConfigError) names the bad field."""
     if user_config is None:
         return {}
     if not isinstance(user_config, Mapping):
-        raise ValueError(f"pagefleet-workers user_config must be a mapping, got {type(user_config).__name__}")
-    for key in user_config:
-        if key != "pool_workers":
-            raise ValueError(f"pagefleet-workers user_config.{key}: unknown field (known: pool_workers)")
-    sizes = user_config.get("pool_workers") or {}
-    if not isinstance(sizes, Mapping):
-        raise ValueError("pagefleet-workers user_config.pool_workers must map pool names to worker counts")
+        raise ConfigError(f"pagefleet-workers user_config must be a mapping, got {type(user_config).__name__}")
+    try:
+        sizes = WorkersUserConfig.from_data(user_config).pool_workers or {}
+    except ConfigError as exc:
+        raise ConfigError(f"pagefleet-workers user_config.{exc}") from None
     known = [p.name for p in config.pools]
-    out: dict[str, int] = {}
-    for pool, workers in sizes.items():
+    for pool in sizes:
         if pool not in known:
-            raise ValueError(
+            raise ConfigError(
                 f"pagefleet-workers user_config.pool_workers.{pool}: unknown pool (pools: {', '.join(known)})"
             )
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(
-                f"pagefleet-workers user_config.pool_workers.{pool}: must be an integer >= 1 "
-                f"(a pool keeps at least one worker), got {workers!r}"
-            )
-        out[str(pool)] = workers
-    return out
+    return dict(sizes)
 
 
 def build_application(args: Mapping[str, Any]) -> Application:

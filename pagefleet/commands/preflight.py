@@ -85,14 +85,28 @@ def check_generate(model: str, device: str) -> None:
         raise CommandError(f"bad model: {problem}")
 
 
+def port_flag(flag: str, port: int, *, may_disable: bool = False) -> int | None:
+    """`port` checked by the config's port rule; -1 is None (disabled) where `may_disable`.
+    CommandError names the flag."""
+    from pagefleet.cluster.config import check_port
+
+    if may_disable and port == -1:
+        return None
+    try:
+        return check_port(port)
+    except ValueError as exc:
+        disabled = " (or -1: disabled)" if may_disable else ""
+        raise CommandError(f"{flag} {exc}{disabled}") from None
+
+
 def check_serve(config: ClusterConfig, *, local: bool, metrics_port: int | None) -> None:
     """`pagefleet serve`: every pool's model and device, and the metrics port, before Ray starts.
 
     On a remote cluster (`local=False`) the models and GPUs are the nodes', not
     this machine's, so only what does not depend on the machine is checked.
     """
-    if metrics_port is not None and not -1 <= metrics_port <= 65535:
-        raise CommandError(f"--metrics-port must be in [0, 65535] or -1 (disabled), got {metrics_port}")
+    if metrics_port is not None:
+        port_flag("--metrics-port", metrics_port, may_disable=True)
     if not local:
         return
     if config.server.gcs_fault_tolerance:

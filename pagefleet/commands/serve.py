@@ -64,15 +64,11 @@ def load_config(args: argparse.Namespace) -> Any:
         server: dict[str, Any] = {}
         grpc_port = getattr(args, "grpc_port", None)
         if grpc_port is not None:
-            if not 0 <= grpc_port <= 65535:
-                raise CommandError(f"--grpc-port must be in [0, 65535], got {grpc_port}")
-            server["grpc_port"] = grpc_port
+            server["grpc_port"] = preflight.port_flag("--grpc-port", grpc_port)
         http_port = getattr(args, "http_port", None)
         if http_port is not None:
-            if not -1 <= http_port <= 65535:
-                raise CommandError(f"--http-port must be in [0, 65535] or -1 (disabled), got {http_port}")
             # -1 disables the OpenAI HTTP server (null in the config file).
-            server["http_port"] = None if http_port < 0 else http_port
+            server["http_port"] = preflight.port_flag("--http-port", http_port, may_disable=True)
         replicas = getattr(args, "ingress_replicas", None)
         if replicas is not None:
             server["ingress_replicas"] = replicas

@@ -42,7 +42,7 @@ import ray
 
 from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import RequestError
+from pagefleet.worker.engine import EngineStats, RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
 from pagefleet.worker.kv_migration import ExportedKV, from_bytes, to_bytes
 from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest, origin_of
@@ -262,21 +262,18 @@ class WorkerActor:
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "block_size": self._block_size,
-            "total_blocks": int(stats["total"]),
+            "total_blocks": stats.total,
             # Streams open now (running or queued): a removal waits for 0 before the kill.
             "active_streams": len(self._active),
         }
 
-    async def stats(self) -> dict[str, Any]:
-        """The engine's pool and queue counters (`LLMEngine.stats()`), and the hand-offs
+    async def stats(self) -> EngineStats:
+        """The engine's pool and queue counters (`LLMEngine.stats()`), with the hand-offs
         whose KV blocks could not be imported (`kv_import_failures`)."""
-        return dict(self._stats())
-
-    def _stats(self) -> dict[str, int]:
         return self._with_import_failures(self._engine.stats())
 
-    def _with_import_failures(self, stats: dict[str, int]) -> dict[str, int]:
-        return {**stats, "kv_import_failures": self._kv_import_failures}
+    def _with_import_failures(self, stats: EngineStats) -> EngineStats:
+        return dataclasses.replace(stats, kv_import_failures=self._kv_import_failures)
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks between two engine steps: those another worker

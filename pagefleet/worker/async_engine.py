@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import BlockClaims, LLMEngine, RequestError
+from pagefleet.worker.engine import BlockClaims, EngineStats, LLMEngine, RequestError
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
@@ -79,7 +79,7 @@ def _resolve(fut: asyncio.Future[T], error: BaseException | None, result: Any = 
 class ReportState:
     """What `AsyncEngine.report_state` read between two steps."""
 
-    stats: dict[str, int]
+    stats: EngineStats
     tenant_live_blocks: dict[str, int]
     tenant_cap_refusals: dict[str, int]
     claims: BlockClaims
@@ -206,7 +206,7 @@ class AsyncEngine:
         """`LLMEngine.import_kv` between two steps; returns how many blocks were written."""
         return await self._call(lambda: self.engine.import_kv(block_hashes, blocks))
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """The engine's counters (waits for the current step to end)."""
         with self._between_steps():
             return self.engine.stats()

@@ -71,7 +71,7 @@ class PoolStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens
 
     def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict (for metrics and `llm.stats()`)."""
+        """The counters as a plain dict (merged into `KVCacheManager.stats()`)."""
         return asdict(self)
 
 

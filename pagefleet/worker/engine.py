@@ -26,7 +26,7 @@ from pagefleet.worker.detokenizer import IncrementalDetokenizer
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError, Grammars, TokenMatcher, mask_logits
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
-from pagefleet.worker.kv_manager import KVCacheManager
+from pagefleet.worker.kv_manager import KVCacheManager, KVStats
 from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.outputs import RequestOutput
@@ -43,6 +43,44 @@ class BlockClaims:
     committed: int
     by_priority: dict[int, tuple[int, int]]
     by_request: dict[str, int]  # blocks each request claims in all
+
+
+@dataclass(frozen=True)
+class EngineStats(KVStats):
+    """`LLMEngine.stats()`: the KV cache's counters (`KVStats`: blocks by state,
+    prefix-cache tokens, the offload tier, migrated blocks) plus the queues,
+    preemptions, swaps and LoRA slots.
+
+    `kv_import_failures` (hand-offs recomputed because their blocks could not
+    be fetched) is counted by the worker actor; an engine alone reports 0.
+    """
+
+    block_size: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
+    swap_used_bytes: int = 0
+    cow_copies: int = 0
+    requests_aborted: int = 0
+    lora_adapters: int = 0
+    lora_resident: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    kv_import_failures: int = 0
+
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Preemptions by mode."""
+        return {"recompute": self.preemptions_recompute, "swap": self.preemptions_swap}
+
+    @property
+    def preemptions_total(self) -> int:
+        """Preemptions of either mode."""
+        return self.preemptions_recompute + self.preemptions_swap
 
 
 def _history(seq: Sequence) -> TokenHistory:
@@ -293,7 +331,7 @@ class LLMEngine:
         """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
 
         Running requests keep their blocks; only unused prefix-cache entries go,
-        each with a "removed" KV event, counted in `stats()["evictions"]`.
+        each with a "removed" KV event, counted in `stats().evictions`.
         Returns how many were evicted. The central scheduler asks for this to
         keep a worker above its free-block watermark.
         """
@@ -502,22 +540,21 @@ class LLMEngine:
 
     # -------------------------------------------------------------- inspection
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """Pool counters plus queue lengths, preemptions by mode, swaps and the offload tier.
 
         `prefix_hit_tokens` counts hits in either tier; `offload_hit_tokens` is
         the part copied back from the offload tier.
         """
         sched = self.scheduler
-        out = self.kv.stats().as_dict()
-        out.update(
+        return EngineStats(
+            **self.kv.stats().as_dict(),
             block_size=self.config.block_size,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
             preemptions_recompute=sched.preemptions["recompute"],
             preemptions_swap=sched.preemptions["swap"],
-            preemptions_total=sum(sched.preemptions.values()),
             swaps_out=sched.swaps_out,
             swaps_in=sched.swaps_in,
             swap_used_bytes=sched.swap_used_bytes,
@@ -528,7 +565,6 @@ class LLMEngine:
             lora_loads=self.lora.loads if self.lora is not None else 0,
             lora_evictions=self.lora.evictions if self.lora is not None else 0,
         )
-        return out
 
     def resident_adapters(self) -> tuple[str, ...]:
         """The LoRA adapters in device slots now, least recently used first."""
@@ -544,7 +580,7 @@ class LLMEngine:
         """Live blocks per prefix-cache salt (the tenant; "" for requests without one).
 
         Salts never share a block (the salt is in every prefix hash), so the
-        values add up to `stats()["live"]`.
+        values add up to `stats().live`.
         """
         held: dict[str, set[int]] = {}
         for seq in self.scheduler.running:

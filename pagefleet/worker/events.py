@@ -11,9 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
+
+if TYPE_CHECKING:  # the engine imports torch; this module stays light for the router
+    from pagefleet.worker.engine import EngineStats
 
 WIRE_VERSION = 1
 
@@ -315,7 +318,7 @@ class LoadReport:
         worker_id: str,
         pool: str,
         seq: int,
-        stats: Mapping[str, Any],
+        stats: EngineStats,
         *,
         tenant_live_blocks: Mapping[str, int] | None = None,
         tenant_cap_refusals: Mapping[str, int] | None = None,
@@ -332,49 +335,27 @@ class LoadReport:
         kv_import_s_per_block: float = 0.0,
         resident_adapters: Iterable[str] = (),
     ) -> LoadReport:
-        """Build a report from ``LLMEngine.stats()``: the keys of ``KVStats.as_dict()``
-        (``total``, ``free``...) and the engine's queue counters, 0 for a key it
-        lacks; preemptions either as a per-mode mapping or as
-        ``preemptions_<mode>`` keys.
-        """
-
-        def pick(name: str) -> int:
-            value = stats.get(name)
-            return 0 if value is None else int(value)
-
-        raw_preemptions = stats.get("preemptions")
-        if isinstance(raw_preemptions, Mapping):
-            preemptions = {str(k): int(v) for k, v in raw_preemptions.items()}
-        else:
-            preemptions = {
-                key.removeprefix("preemptions_"): int(value)
-                for key, value in stats.items()
-                # preemptions_total is the sum of the per-mode counters, not a mode
-                if key.startswith("preemptions_") and key != "preemptions_total"
-                and isinstance(value, int)
-            }
-            if isinstance(raw_preemptions, int) and not preemptions:
-                preemptions = {"total": raw_preemptions}
+        """Build a report from an engine's counters (``LLMEngine.stats()``)."""
         return cls(
             worker_id=worker_id,
             pool=pool,
             seq=seq,
             timestamp=time.time() if timestamp is None else timestamp,
-            total_blocks=pick("total"),
-            free_blocks=pick("free"),
-            live_blocks=pick("live"),
-            cached_blocks=pick("cached"),
-            peak_live_blocks=pick("peak_live"),
-            num_running=pick("num_running"),
-            num_waiting=pick("num_waiting"),
-            tenant_live_blocks=dict(tenant_live_blocks or stats.get("tenant_live_blocks") or {}),
+            total_blocks=stats.total,
+            free_blocks=stats.free,
+            live_blocks=stats.live,
+            cached_blocks=stats.cached,
+            peak_live_blocks=stats.peak_live,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            tenant_live_blocks=dict(tenant_live_blocks or {}),
             tenant_cap_refusals=dict(tenant_cap_refusals or {}),
-            preemptions=preemptions,
-            evictions=pick("evictions"),
-            prefix_query_tokens=pick("prefix_query_tokens"),
-            prefix_hit_tokens=pick("prefix_hit_tokens"),
+            preemptions=stats.preemptions,
+            evictions=stats.evictions,
+            prefix_query_tokens=stats.prefix_query_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
             incarnation=incarnation,
-            **{name: pick(name) for name in _TIER_INT_FIELDS},
+            **{name: getattr(stats, name) for name in _TIER_INT_FIELDS},
             progress=progress,
             committed_blocks=committed_blocks,
             priority_claims=dict(priority_claims or {}),

@@ -42,7 +42,7 @@ class KVStats(PoolStats, TierStats):
 
     Unlike the pool's own count, `prefix_hit_tokens` counts hits in either
     tier; `offload_hit_tokens` is the part copied back from the offload tier.
-    `as_dict()` gives the keys of `LLMEngine.stats()`.
+    `LLMEngine.stats()` adds the engine's own counters (`EngineStats`).
     """
 
     kv_blocks_exported: int = 0

@@ -9,7 +9,7 @@ from typing import Any
 
 from pagefleet.worker.chat import ChatTemplateError, Message, chat_prompt
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import LLMEngine, RequestError
+from pagefleet.worker.engine import EngineStats, LLMEngine, RequestError
 from pagefleet.worker.model_files import DEFAULT_MODEL
 from pagefleet.worker.outputs import CompletionOutput, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
@@ -125,9 +125,9 @@ class LLM:
                 raise RequestError(str(exc)) from exc
         return self.generate(prompts, params, adapter)
 
-    def stats(self) -> dict[str, int]:
-        """Pool counters (total, free, live, cached, peak_live, prefix tokens, evictions),
-        queue lengths, preemptions by mode and swaps."""
+    def stats(self) -> EngineStats:
+        """Pool counters (`total`, `free`, `live`, `cached`, `peak_live`, prefix tokens,
+        `evictions`), queue lengths, preemptions by mode and swaps, as attributes."""
         return self.engine.stats()
 
     def adapters(self) -> dict[str, str]:

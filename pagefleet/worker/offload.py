@@ -181,7 +181,7 @@ class TierStats:
     offload_load_ns: int
 
     def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict (merged into `LLMEngine.stats()`)."""
+        """The counters as a plain dict (merged into `KVCacheManager.stats()`)."""
         return asdict(self)
 
 

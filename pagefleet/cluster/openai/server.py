@@ -253,7 +253,7 @@ class _OpenAIApi:
         workers per pool only to a tenant's key (its own pools) or with
         `server.health_details`: pool names are no one else's business."""
         live = self._ingress.live_workers()
-        ok = all(n > 0 for n in live.values()) and not self._drain.draining
+        ok = self._drain.serving(live)
         status = "draining" if self._drain.draining else "ok" if ok else "unavailable"
         body: dict[str, Any] = {"status": status}
         tenancy = self._ingress.tenancy

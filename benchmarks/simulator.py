@@ -22,8 +22,8 @@ after `route_note_delay_s`). With
 ack does: evict ahead of need below the watermark, and (replica-aware) mark
 the hashes another worker keeps so they are evicted before last copies.
 
-    python -m pagefleet.cluster.simulator --workers 4 --groups 8 --ingress-replicas 1,2,4
-    python -m pagefleet.cluster.simulator --groups 16 --hot-share 0.4 --eviction lru,replica_aware
+    python benchmarks/simulator.py --workers 4 --groups 8 --ingress-replicas 1,2,4
+    python benchmarks/simulator.py --groups 16 --hot-share 0.4 --eviction lru,replica_aware
 """
 
 from __future__ import annotations
@@ -33,10 +33,15 @@ import functools
 import heapq
 import random
 import statistics
+import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+# Runnable from a checkout without installing: the repository root goes on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagefleet.cluster.fleet_view import FleetView
 from pagefleet.cluster.router import ROUTING_POLICIES, Router, RouterConfig
