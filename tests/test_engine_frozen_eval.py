@@ -155,7 +155,7 @@ def test_greedy_equals_hf_when_later_higher_priorities_preempt(ref: Reference, m
                 got[out.request_id] = out.token_ids
         step += 1
     assert_same_tokens([got[str(i)] for i in range(len(ref.prompts))], ref.expected)
-    assert llm.stats()[f"preemptions_{mode}"] > 0
+    assert llm.stats().preemptions[mode] > 0
     assert_pool_clean(llm)
 
 

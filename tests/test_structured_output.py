@@ -176,7 +176,7 @@ def test_preemption_keeps_the_grammar_state(tiny: LLM, mode: str) -> None:
     # 100 prompt tokens + 8: seven of the eight blocks.
     engine.add_request("high", list(range(50, 150)), SamplingParams(max_tokens=8), priority=5)
     done = run_until_done(engine)
-    assert llm.stats()[f"preemptions_{mode}"] > 0
+    assert llm.stats().preemptions[mode] > 0
     for name, spec in specs.items():
         assert done[name] == expected[name].token_ids, name
         assert expected[name].finish_reason == "stop"
