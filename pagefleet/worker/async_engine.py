@@ -202,9 +202,11 @@ class AsyncEngine:
 
         return self._call(export)
 
-    async def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+    async def import_kv(
+        self, block_hashes: list[bytes], blocks: torch.Tensor, adapter: str | None = None
+    ) -> int:
         """`LLMEngine.import_kv` between two steps; returns how many blocks were written."""
-        return await self._call(lambda: self.engine.import_kv(block_hashes, blocks))
+        return await self._call(lambda: self.engine.import_kv(block_hashes, blocks, adapter))
 
     def stats(self) -> dict[str, int]:
         """The engine's counters (waits for the current step to end)."""

@@ -283,11 +283,22 @@ class LLMEngine:
         hashes = seq.full_block_hashes(seq.num_tokens, self.config.block_size)
         return self.kv.export_blocks(hashes)
 
-    def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+    def import_kv(
+        self, block_hashes: list[bytes], blocks: torch.Tensor, adapter: str | None = None
+    ) -> int:
         """Write blocks another worker exported into this pool as cached blocks under their
         hashes (`KVCacheManager.import_blocks`); returns how many. A request for those
-        tokens (same tenant) then hits them instead of computing them."""
-        return self.kv.import_blocks(block_hashes, blocks)
+        tokens (same tenant, same `adapter`) then hits them instead of computing them.
+
+        `adapter` is the LoRA adapter the blocks were computed with (None: the base
+        model); the KV events of the imported blocks name it (`kv_event_adapters`).
+        """
+        n = self.kv.import_blocks(block_hashes, blocks)
+        if adapter is not None:
+            for h in block_hashes:
+                if self.kv.holds(h):
+                    self._adapter_of[h] = adapter
+        return n
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
