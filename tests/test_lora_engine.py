@@ -163,6 +163,10 @@ def test_one_slot_alternating_two_adapters_loads_each_time_and_keeps_outputs(
         stats = one.stats()
         assert (stats["lora_loads"], stats["lora_evictions"]) == (turn, turn - 1)
         assert one.engine.resident_adapters() == (adapter,)
+    usage = one.engine.lora_usage()  # what the load report carries: per adapter
+    assert (usage.slots, usage.resident) == (1, ("beta",))
+    assert usage.loads == {"alpha": 2, "beta": 2}
+    assert usage.evictions == {"alpha": 2, "beta": 1}
 
 
 def test_one_slot_serves_a_batch_of_both_adapters_in_turn(ref: Reference) -> None:

@@ -315,7 +315,10 @@ class WorkerActor:
             migrations_out=self._migrations_out,
             recompute_s_per_token=state.recompute_s_per_token,
             kv_import_s_per_block=self._kv_import_s_per_block,
-            resident_adapters=state.resident_adapters,
+            resident_adapters=state.lora.resident,
+            lora_slots=state.lora.slots,
+            lora_loads=state.lora.loads,
+            lora_evictions=state.lora.evictions,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:

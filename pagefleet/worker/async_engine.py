@@ -29,6 +29,7 @@ from pagefleet.worker.engine import BlockClaims, LLMEngine, RequestError
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
+from pagefleet.worker.lora import LoRAUsage
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -87,7 +88,7 @@ class ReportState:
     requests: list[RequestLoad]
     block_preemptions: int  # for want of a block, so far: the next call's preemptions_seen
     recompute_s_per_token: float
-    resident_adapters: tuple[str, ...] = ()
+    lora: LoRAUsage = field(default_factory=LoRAUsage)  # the adapter slots
 
 
 class AsyncEngine:
@@ -234,7 +235,7 @@ class AsyncEngine:
                 requests=engine.request_loads() if short > 0 else [],
                 block_preemptions=count,
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
-                resident_adapters=engine.resident_adapters(),
+                lora=engine.lora_usage(),
             )
 
     def evict_cached(self, n: int) -> int:

@@ -28,6 +28,7 @@ from pagefleet.worker.grammar import GrammarError, Grammars, TokenMatcher, mask_
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.kv_manager import KVCacheManager
 from pagefleet.worker.kv_migration import ExportedKV
+from pagefleet.worker.lora import LoRAUsage
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampler import TokenHistory, sample, token_logprobs
@@ -544,6 +545,10 @@ class LLMEngine:
     def resident_adapters(self) -> tuple[str, ...]:
         """The LoRA adapters in device slots now, least recently used first."""
         return self.lora.table.resident if self.lora is not None else ()
+
+    def lora_usage(self) -> LoRAUsage:
+        """The LoRA slots now: capacity, resident adapters, loads and evictions per adapter."""
+        return self.lora.usage() if self.lora is not None else LoRAUsage()
 
     def adapter_ids(self) -> dict[str, str]:
         """Each served adapter's `name:hash` identity (the `adapter_id` of its prefix hashes)."""
