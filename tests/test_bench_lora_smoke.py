@@ -21,3 +21,4 @@ def test_lora_smoke_prints_the_ratio_table_and_equals_hf_peft() -> None:
     assert "4 adapters, mixed batch" in result.stdout
     assert "HF + PEFT, set_adapter per request" in result.stdout
     assert "4-adapter outputs equal to HF + PEFT: 8/8" in result.stdout
+    assert "adapter load into a slot:" in result.stdout and "prefilled blocks" in result.stdout

@@ -1,12 +1,16 @@
 """LoRA adapters through the cluster: selected by OpenAI `model` and gRPC `adapter`, limited
-per tenant, listed by /v1/models, and kept apart in the prefix cache and its routing.
+per tenant, listed by /v1/models, kept apart in the prefix cache and its routing, routed
+by residency (a hot adapter gathers where it is loaded, a cold one goes to a free slot),
+and counted per adapter in the ingress metrics.
 
-The oracle is the offline engine on the same adapters (itself equal to HF + PEFT:
-tests/test_lora_engine.py).
+Each worker has one LoRA slot (`max_loras: 1`), so two adapters on one worker evict
+each other. The oracle is the offline engine on the same adapters (itself equal to
+HF + PEFT: tests/test_lora_engine.py).
 """
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +69,7 @@ def lora_config(adapters: dict[str, Path]) -> ClusterConfig:
                 "name": "default", "workers": 2, "model": "tiny", "block_size": BLOCK_SIZE,
                 "num_kv_blocks": NUM_KV_BLOCKS, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
                 "device": "cpu", "lora_adapters": {k: str(v) for k, v in adapters.items()},
-                "max_loras": 2,
+                "max_loras": 1,
             }],
             "tenants": [
                 {"name": "acme", "pool": "default", "api_key": KEY_ACME, "adapters": ["alpha"]},
@@ -111,12 +115,62 @@ def _complete(served: Served, key: str, model: str, prompt: list[int]) -> httpx.
         return http.post("/v1/completions", json=body)
 
 
-def _grpc(served: Served, key: str, prompt: list[int], adapter: str = "") -> list[Any]:
+def _grpc(
+    served: Served, key: str, prompt: list[int], adapter: str = "", session: str = ""
+) -> list[Any]:
     channel, s = stub(served.cluster.grpc_target)
+    metadata = auth_metadata(key) + ([("x-session-id", session)] if session else [])
     with channel:
         req = build_request(prompt, {"max_tokens": MAX_TOKENS, "ignore_eos": True})
         req.adapter = adapter
-        return list(s.Generate(req, timeout=120, metadata=auth_metadata(key)))
+        return list(s.Generate(req, timeout=120, metadata=metadata))
+
+
+def _worker_of(served: Served, prompt: list[int], adapter: str, session: str = "") -> str:
+    """The worker that served one request on `adapter` (output checked against the oracle)."""
+    out = _grpc(served, KEY_GLOBEX, prompt, adapter=adapter, session=session)
+    assert tokens_of(out) == served.expected(prompt, adapter)
+    return str(out[-1].worker_id)
+
+
+def _fresh_prompt(n: int) -> list[int]:
+    """Five blocks no other prompt of this module starts with (prefix hits decide nothing)."""
+    return [(17 * j + 31 * n) % 170 + 20 for j in range(20)]
+
+
+def _resident(served: Served) -> dict[str, tuple[str, ...]]:
+    workers = pool_status(served.cluster.grpc_target, api_key=KEY_GLOBEX).workers
+    return {w.worker_id: tuple(w.resident_adapters) for w in workers}
+
+
+def _metric(served: Served, name: str, **labels: str) -> float:
+    """One counter of the ingress's /metrics (0.0 while the series does not exist)."""
+    url = f"http://127.0.0.1:{served.cluster.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    series = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "} "
+    line = next((line for line in body.splitlines() if line.startswith(series)), None)
+    return 0.0 if line is None else float(line.removeprefix(series))
+
+
+def test_a_hot_adapter_gathers_on_its_worker_and_a_cold_one_takes_the_free_slot(
+    served: Served,
+) -> None:
+    # First in the module: no adapter is resident yet, each worker has one free slot.
+    wait_for(lambda: len(_resident(served)) == 2, 60, "both workers in the pool's status")
+    assert all(not held for held in _resident(served).values())
+    home = _worker_of(served, _fresh_prompt(0), "alpha")
+    wait_for(lambda: _resident(served)[home] == ("alpha",), 30, "alpha resident on its worker")
+    # beta is cold: the worker holding alpha would have to evict it, the other has a free slot.
+    other = _worker_of(served, _fresh_prompt(1), "beta")
+    assert other != home
+    # Both are hot now, each on its own worker: new prompts (no prefix hit) follow the adapter.
+    for n in range(2, 5):
+        assert _worker_of(served, _fresh_prompt(n), "alpha") == home
+    assert _worker_of(served, _fresh_prompt(5), "beta") == other
+    wait_for(
+        lambda: _resident(served) == {home: ("alpha",), other: ("beta",)}, 30,
+        "each adapter resident on its own worker",
+    )
 
 
 def _http_text(response: httpx.Response) -> str:
@@ -195,3 +249,32 @@ def test_status_shows_each_workers_adapters_and_to_a_tenant_only_its_own(served:
 
     wait_for(lambda: "beta" in resident(KEY_GLOBEX), 30, "beta in a worker's resident adapters")
     assert resident(KEY_ACME) <= {"alpha"}
+
+
+def test_requests_tokens_loads_and_evictions_are_counted_per_adapter(served: Served) -> None:
+    # One session pins both adapters to one worker, whose single slot they must share.
+    worker = _worker_of(served, _fresh_prompt(10), "alpha", session="lora-metrics")
+    wait_for(lambda: _resident(served)[worker] == ("alpha",), 30, "alpha resident on its worker")
+    slots = ("lora_adapter_loads_total", "lora_adapter_evictions_total")
+    usage = ("lora_adapter_requests_total", "lora_adapter_generated_tokens_total")
+
+    def counts() -> dict[tuple[str, str], float]:
+        out = {(name, a): _metric(served, name, pool="default", worker=worker, adapter=a)
+               for name in slots for a in ("alpha", "beta")}  # fmt: skip
+        out.update({(name, a): _metric(served, name, pool="default", adapter=a)
+                    for name in usage for a in ("alpha", "beta")})  # fmt: skip
+        return out
+
+    before = counts()
+    assert _worker_of(served, _fresh_prompt(11), "beta", session="lora-metrics") == worker
+    assert _worker_of(served, _fresh_prompt(12), "alpha", session="lora-metrics") == worker
+    # beta evicted alpha and was loaded; alpha evicted beta and was loaded again.
+    expected = {
+        **{(name, a): before[(name, a)] + 1 for name in slots for a in ("alpha", "beta")},
+        **{("lora_adapter_requests_total", a): before[("lora_adapter_requests_total", a)] + 1
+           for a in ("alpha", "beta")},
+        **{("lora_adapter_generated_tokens_total", a):
+           before[("lora_adapter_generated_tokens_total", a)] + MAX_TOKENS
+           for a in ("alpha", "beta")},
+    }  # fmt: skip
+    wait_for(lambda: counts() == expected, 30, f"the per-adapter counters at {expected}")

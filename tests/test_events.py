@@ -44,6 +44,10 @@ def make_report(**overrides: object) -> LoadReport:
         migrations_out=4,
         recompute_s_per_token=2.5e-4,
         kv_import_s_per_block=1.25e-5,
+        resident_adapters=("beta", "alpha"),
+        lora_slots=4,
+        lora_loads={"alpha": 3, "beta": 1},
+        lora_evictions={"alpha": 2},
     )
     fields.update(overrides)
     return LoadReport(**fields)  # type: ignore[arg-type]
@@ -248,3 +252,9 @@ def test_malformed_priority_claims_are_refused(claims: object) -> None:
     obj["priority_claims"] = claims
     with pytest.raises(EventDecodeError, match="priority_claims"):
         LoadReport.decode(msgpack.packb(obj))
+
+
+def test_free_lora_slots_are_the_slots_no_resident_adapter_holds() -> None:
+    assert make_report().lora_free_slots == 2
+    assert make_report(resident_adapters=("a", "b", "c", "d")).lora_free_slots == 0
+    assert make_report(lora_slots=0, resident_adapters=()).lora_free_slots == 0

@@ -163,6 +163,10 @@ def test_one_slot_alternating_two_adapters_loads_each_time_and_keeps_outputs(
         stats = one.stats()
         assert (stats.lora_loads, stats.lora_evictions) == (turn, turn - 1)
         assert one.engine.resident_adapters() == (adapter,)
+    usage = one.engine.lora_usage()  # what the load report carries: per adapter
+    assert (usage.slots, usage.resident) == (1, ("beta",))
+    assert usage.loads == {"alpha": 2, "beta": 2}
+    assert usage.evictions == {"alpha": 2, "beta": 1}
 
 
 def test_one_slot_serves_a_batch_of_both_adapters_in_turn(ref: Reference) -> None:
@@ -216,3 +220,30 @@ def test_kv_events_name_the_adapter_of_each_stored_block(llm: LLM) -> None:
     stored = [name for (kind, _), name in zip(events, adapters, strict=True) if kind == "stored"]
     assert sorted(stored) == ["", "", "beta", "beta"]
     assert engine.kv_event_adapters([("stored", b"x" * 32)]) == ()  # a base-model batch
+
+
+def test_blocks_imported_by_a_migration_keep_their_adapter_in_kv_events(
+    llm: LLM, ref: Reference
+) -> None:
+    source = llm.engine
+    prompt = prompt_ids(33, seed=610)  # 2 full blocks
+    source.add_request("moved", prompt, GREEDY, adapter="alpha")
+    source.step()  # the prefill registers the prompt's full blocks
+    exported = source.export_kv("moved")
+    source.abort_request("moved")
+    while source.has_unfinished_requests():
+        source.step()
+    assert exported is not None and len(exported.block_hashes) == 2
+
+    target = LLMEngine(EngineConfig(lora_adapters=ref.adapters))
+    assert target.import_kv(list(exported.block_hashes), exported.blocks, adapter="alpha") == 2
+    events = target.drain_kv_events()
+    assert [kind for kind, _ in events] == ["stored", "stored"]
+    assert target.kv_event_adapters(events) == ("alpha", "alpha")
+    # The snapshot a resynchronising scheduler reads names them too.
+    snapshot = target.snapshot_kv()
+    assert target.kv_event_adapters(snapshot) == ("alpha", "alpha")
+    target.add_request("resumed", prompt, SamplingParams(max_tokens=1), adapter="alpha")
+    while target.has_unfinished_requests():
+        target.step()
+    assert target.stats()["prefix_hit_tokens"] == 32

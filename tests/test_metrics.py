@@ -59,3 +59,25 @@ def test_pool_workers_shows_each_pools_target_and_actual_size() -> None:
     assert 'pool_workers{kind="actual",pool="default"} 2.0' in body
     assert 'pool_workers{kind="target",pool="acme"} 1.0' in body
     assert 'pool_workers{kind="actual",pool="acme"} 1.0' in body
+
+
+def test_adapter_loads_and_evictions_are_counted_per_adapter_and_worker() -> None:
+    from pagefleet.worker.events import LoadReport
+
+    metrics = IngressMetrics()
+    stats = engine_stats(total=8, free=8)
+
+    def report(seq: int, loads: dict[str, int], evictions: dict[str, int]) -> LoadReport:
+        sent = LoadReport.from_engine_stats(
+            "w0", "default", seq, stats, lora_slots=1, lora_loads=loads, lora_evictions=evictions
+        )
+        return LoadReport.decode(sent.encode())
+
+    metrics.observe_report(report(1, {"alpha": 1}, {}))
+    metrics.observe_report(report(2, {"alpha": 2, "beta": 1}, {"alpha": 1}))
+    body = generate_latest(metrics.registry).decode()
+    assert 'lora_adapter_loads_total{adapter="alpha",pool="default",worker="w0"} 2.0' in body
+    assert 'lora_adapter_loads_total{adapter="beta",pool="default",worker="w0"} 1.0' in body
+    assert 'lora_adapter_evictions_total{adapter="alpha",pool="default",worker="w0"} 1.0' in body
+    metrics.forget_worker("default", "w0")
+    assert "lora_adapter_loads_total{" not in generate_latest(metrics.registry).decode()

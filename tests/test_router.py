@@ -451,6 +451,48 @@ def test_a_cold_adapter_follows_its_first_request_until_the_reports_show_it() ->
     assert all(router.route_hashes("chat", other, adapter="beta").worker_id == first for _ in range(5))
 
 
+def slots_report(
+    router: Router, worker_id: str, resident: tuple[str, ...], *, live: int = 0, slots: int = 2
+) -> None:
+    """A load report of a worker with `slots` LoRA slots, `resident` in them."""
+    router.apply_load_report(
+        LoadReport(
+            worker_id, "chat", 1, 0.0, 1000, 1000 - live, live, 0, live,
+            resident_adapters=resident, lora_slots=slots,
+        )
+    )
+
+
+def test_a_cold_adapter_goes_where_a_slot_is_free_rather_than_evict_a_resident_one() -> None:
+    router, _ = make_router(3, w_adapter_load=8.0, w_load=0.25)
+    slots_report(router, "w0", ("a", "b"))
+    slots_report(router, "w1", ("c", "d"))
+    # w2 is busier (20 live blocks: 5 in cost), but one slot of its two is free.
+    slots_report(router, "w2", ("e",), live=20)
+    hashes = hash_token_blocks(list(range(40, 40 + 2 * BS)), BS, adapter_id="f:0")
+    assert router.route_hashes("chat", hashes, adapter="f").worker_id == "w2"
+
+
+def test_a_hot_adapter_gathers_where_it_is_resident_even_with_every_slot_taken() -> None:
+    router, _ = make_router(3, w_adapter_load=8.0, w_load=0.25)
+    slots_report(router, "w0", ("a", "b"), live=20)
+    slots_report(router, "w1", ("c", "d"))
+    slots_report(router, "w2", ())
+    hashes = hash_token_blocks(list(range(40, 40 + 2 * BS)), BS, adapter_id="a:0")
+    assert all(router.route_hashes("chat", hashes, adapter="a").worker_id == "w0" for _ in range(5))
+
+
+def test_a_slot_this_router_just_filled_is_not_free_for_the_next_cold_adapter() -> None:
+    router, _ = make_router(2, w_adapter_load=8.0, w_load=0.25, speculative_ttl_s=2.0)
+    slots_report(router, "w0", ("a", "b"))
+    slots_report(router, "w1", ("c",), live=20)
+    first = hash_token_blocks(list(range(40, 40 + BS)), BS, adapter_id="f:0")
+    assert router.route_hashes("chat", first, adapter="f").worker_id == "w1"
+    # "f" takes w1's last slot: "g" evicts wherever it goes, and w0 is the less loaded.
+    second = hash_token_blocks(list(range(90, 90 + BS)), BS, adapter_id="g:0")
+    assert router.route_hashes("chat", second, adapter="g").worker_id == "w0"
+
+
 # ----- session affinity ---------------------------------------------------------------
 
 S1 = ("acme", "s1")  # (tenant, session id)

@@ -2,19 +2,23 @@
 
 Greedy paged output must equal HF `generate` (contiguous cache, SDPA) on the
 same weights, in float32, with prompts that share a prefix, a pool small
-enough to preempt and a token budget small enough to chunk every prefill. A
-differing token is accepted only where HF's own top-2 logits are a near-tie,
+enough to preempt and a token budget small enough to chunk every prefill; and
+with a random-weight LoRA adapter on every projection, equal to HF + PEFT in a
+batch that mixes the adapter and the base model. A differing token is
+accepted only where the reference's own top-2 logits are a near-tie,
 measured at that position (see `assert_greedy_equal`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hf_models import load_hf_reference, top2_gap
+from lora_adapters import build_lora_adapter, load_peft_reference, peft_greedy
 from smollm2 import smollm2_dir
 from transformers import DynamicCache, PreTrainedModel
 
@@ -30,6 +34,8 @@ NUM_KV_BLOCKS = 6
 # Smaller than every prompt: each prefill runs in chunks.
 MAX_BATCHED_TOKENS = 24
 MAX_NEW_TOKENS = 16
+# PEFT's reference runs a full forward per token (no cache): a few seconds for 8.
+LORA_NEW_TOKENS = 8
 # float32 logits of this 30-layer model differ between the paged path and HF by
 # float rounding only; a top-2 gap below this is a tie that rounding can flip.
 NEAR_TIE = 1e-3
@@ -127,3 +133,27 @@ def test_generate_chat_command_answers_with_the_models_template(
     args: list[Any] = ["generate", "What is the capital of France?", "--chat"]
     assert main([*args, "--model", str(smollm2_dir()), "--max-tokens", "24"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_greedy_output_with_a_lora_adapter_equals_hf_peft_in_a_mixed_batch(
+    llm: LLM, tmp_path: Path
+) -> None:
+    model_dir = smollm2_dir()
+    # Small weights: the adapter changes the answers without making this 30-layer model babble.
+    adapter = build_lora_adapter(model_dir, tmp_path / "smol", seed=3, rank=8, std=0.05)
+    peft = load_peft_reference(model_dir, adapter)
+    served = LLM(
+        model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=32,
+        lora_adapters={"smol": adapter},
+    )  # fmt: skip
+    prompts = [_chat(llm, q) for q in QUESTIONS[:2]]
+    params = SamplingParams(max_tokens=LORA_NEW_TOKENS, ignore_eos=True)
+    outs = served.generate(prompts * 2, params, adapter=[None, None, "smol", "smol"])
+    base, tuned = outs[:2], outs[2:]
+    assert [o.token_ids for o in base] != [o.token_ids for o in tuned], "the adapter changes nothing"
+    for prompt, out in zip(prompts, tuned, strict=True):
+        expected = peft_greedy(peft, prompt, LORA_NEW_TOKENS)
+        assert len(set(expected)) > LORA_NEW_TOKENS // 2, f"degenerate reference {expected}"
+        assert_greedy_equal(peft, prompt, expected, out.token_ids)
+    served.check_integrity()

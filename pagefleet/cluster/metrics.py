@@ -48,8 +48,12 @@ _REPORT_COUNTERS = {
         "migrated requests whose KV blocks could not be fetched or imported (recomputed)",
         "kv_import_failures",
     ),
-    "lora_adapter_loads": ("LoRA adapters loaded into one of the worker's slots", "lora_loads"),
-    "lora_adapter_evictions": ("LoRA adapters evicted from the worker's slots", "lora_evictions"),
+}
+
+# Counter name (exported with `_total`) -> (help, LoadReport field counting per adapter).
+_ADAPTER_COUNTERS = {
+    "lora_adapter_loads": ("loads of the LoRA adapter into one of the worker's slots", "lora_loads"),
+    "lora_adapter_evictions": ("evictions of the LoRA adapter from the worker's slots", "lora_evictions"),
 }
 
 
@@ -154,6 +158,10 @@ class IngressMetrics:
             field: _ReportCounter(Counter(name, doc, labels, registry=self.registry))
             for name, (doc, field) in _REPORT_COUNTERS.items()
         }
+        self._adapter_counters = {
+            field: _ReportCounter(Counter(name, doc, (*labels, "adapter"), registry=self.registry))
+            for name, (doc, field) in _ADAPTER_COUNTERS.items()
+        }
         self._preemptions = _ReportCounter(
             Counter("preemptions", "sequences preempted", (*labels, "mode"), registry=self.registry)
         )
@@ -236,6 +244,9 @@ class IngressMetrics:
             counter.set_total(labels, getattr(report, field))
         for mode, count in report.preemptions.items():
             self._preemptions.set_total((*labels, mode), count)
+        for field, counter in self._adapter_counters.items():
+            for adapter, count in getattr(report, field).items():
+                counter.set_total((*labels, adapter), count)
         self._observe_tenants(report)
 
     def observe_pool_sizes(self, scaling: Mapping[str, Mapping[str, Any]]) -> None:
@@ -300,7 +311,8 @@ class IngressMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         counters = (self._prefix_queries, self._prefix_hits, self._evictions, self._preemptions,
-                    self._tenant_cap_refusals, *self._report_counters.values())  # fmt: skip
+                    self._tenant_cap_refusals, *self._report_counters.values(),
+                    *self._adapter_counters.values())  # fmt: skip
         for counter in counters:
             counter.forget(labels)
         for tenant in self._tenant_series.pop(labels, set()):

@@ -9,11 +9,15 @@ and picks the lowest
 
     cost = w_prefill * uncached_prompt_blocks + w_load * active_blocks + w_queue * waiting
            + w_adapter_load * (the request's LoRA adapter is not resident there)
+           + w_adapter_load * (... and no LoRA slot is free there: loading it evicts one)
 
 A worker holds an adapter when its last load report lists it in a device
 slot, or when this router sent it a request on that adapter within
 `speculative_ttl_s` (it is loading it): a hot adapter's requests gather on
-the workers that hold it, and a cold one goes where loading it costs least.
+the workers that hold it. A cold one goes where loading it costs least, and
+preferably where a slot is free (`LoadReport.lora_free_slots`, less the
+adapters this router sent there since): an eviction costs a second load, the
+evicted adapter's, when its next request comes.
 
 A block the worker holds only in its offload tier (host memory, after its
 pool run) costs a copy rather than a prefill: it counts as
@@ -120,6 +124,20 @@ class _Worker:
         if self.report is not None and adapter in self.report.resident_adapters:
             return True
         return self.routed_adapters.get(adapter, 0.0) > now
+
+    def adapter_cost(self, adapter: str, now: float, w_adapter_load: float) -> float:
+        """What serving `adapter` here adds: nothing where it is resident, a load where a
+        slot is free (or the slots are not reported yet), two where one must be evicted."""
+        if self.holds_adapter(adapter, now):
+            return 0.0
+        report = self.report
+        if report is None or report.lora_slots == 0:
+            return w_adapter_load
+        incoming = sum(
+            1 for name, expiry in self.routed_adapters.items()
+            if expiry > now and name not in report.resident_adapters
+        )  # fmt: skip
+        return w_adapter_load * (1 if report.lora_free_slots > incoming else 2)
 
     def load(self) -> int:
         live = self.report.live_blocks if self.report is not None else 0
@@ -427,8 +445,8 @@ class Router:
             if load <= guard:
                 credited = matches.get(w.bit, 0) + cfg.offload_credit * tier.get(w.bit, 0)
             cost = cfg.w_prefill * (n - credited) + cfg.w_load * load + cfg.w_queue * w.waiting()
-            if adapter is not None and not w.holds_adapter(adapter, now):
-                cost += cfg.w_adapter_load
+            if adapter is not None:
+                cost += w.adapter_cost(adapter, now, cfg.w_adapter_load)
             if not best or cost < best_cost:
                 best, best_cost = [w], cost
             elif cost == best_cost:

@@ -126,7 +126,7 @@ class WorkerActor:
         prompt = list(request.prompt)
         try:
             if request.kv is not None:
-                task = asyncio.ensure_future(self._import_kv(request_id, request.kv))
+                task = asyncio.ensure_future(self._import_kv(request_id, request.kv, request.adapter))
                 self._importing[request_id] = task
                 await asyncio.wait({task})
                 del self._importing[request_id]
@@ -221,7 +221,7 @@ class WorkerActor:
             exported.dtype_name,
         )
 
-    async def _import_kv(self, request_id: str, kv: KVHandoff) -> None:
+    async def _import_kv(self, request_id: str, kv: KVHandoff, adapter: str | None) -> None:
         """Fetch a hand-off's blocks and import them as cached blocks, before the request is
         admitted; on any failure (object lost with its worker, timeout, another layout)
         the request just recomputes them."""
@@ -229,7 +229,7 @@ class WorkerActor:
         try:
             raw = await asyncio.wait_for(_fetch(kv.blocks), KV_FETCH_TIMEOUT_S)
             blocks = from_bytes(raw, kv.dtype, kv.shape)
-            n = await self._engine.import_kv(list(kv.block_hashes), blocks)
+            n = await self._engine.import_kv(list(kv.block_hashes), blocks, adapter)
         except Exception as exc:
             self._kv_import_failures += 1
             logger.warning(
@@ -312,7 +312,10 @@ class WorkerActor:
             migrations_out=self._migrations_out,
             recompute_s_per_token=state.recompute_s_per_token,
             kv_import_s_per_block=self._kv_import_s_per_block,
-            resident_adapters=state.resident_adapters,
+            resident_adapters=state.lora.resident,
+            lora_slots=state.lora.slots,
+            lora_loads=state.lora.loads,
+            lora_evictions=state.lora.evictions,
         ).encode()
 
     def _kv_batch(self, snapshot: bool) -> bytes:

@@ -29,6 +29,7 @@ from pagefleet.worker.engine import BlockClaims, EngineStats, LLMEngine, Request
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
+from pagefleet.worker.lora import LoRAUsage
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -87,7 +88,7 @@ class ReportState:
     requests: list[RequestLoad]
     block_preemptions: int  # for want of a block, so far: the next call's preemptions_seen
     recompute_s_per_token: float
-    resident_adapters: tuple[str, ...] = ()
+    lora: LoRAUsage = field(default_factory=LoRAUsage)  # the adapter slots
 
 
 class AsyncEngine:
@@ -202,9 +203,11 @@ class AsyncEngine:
 
         return self._call(export)
 
-    async def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+    async def import_kv(
+        self, block_hashes: list[bytes], blocks: torch.Tensor, adapter: str | None = None
+    ) -> int:
         """`LLMEngine.import_kv` between two steps; returns how many blocks were written."""
-        return await self._call(lambda: self.engine.import_kv(block_hashes, blocks))
+        return await self._call(lambda: self.engine.import_kv(block_hashes, blocks, adapter))
 
     def stats(self) -> EngineStats:
         """The engine's counters (waits for the current step to end)."""
@@ -232,7 +235,7 @@ class AsyncEngine:
                 requests=engine.request_loads() if short > 0 else [],
                 block_preemptions=count,
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
-                resident_adapters=engine.resident_adapters(),
+                lora=engine.lora_usage(),
             )
 
     def evict_cached(self, n: int) -> int:

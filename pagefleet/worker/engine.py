@@ -28,6 +28,7 @@ from pagefleet.worker.grammar import GrammarError, Grammars, TokenMatcher, mask_
 from pagefleet.worker.kv_cache import KVCache, ModelShape, blocks_for_budget
 from pagefleet.worker.kv_manager import KVCacheManager, KVStats
 from pagefleet.worker.kv_migration import ExportedKV
+from pagefleet.worker.lora import LoRAUsage
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 from pagefleet.worker.outputs import RequestOutput
 from pagefleet.worker.sampler import TokenHistory, sample, token_logprobs
@@ -321,11 +322,22 @@ class LLMEngine:
         hashes = seq.full_block_hashes(seq.num_tokens, self.config.block_size)
         return self.kv.export_blocks(hashes)
 
-    def import_kv(self, block_hashes: list[bytes], blocks: torch.Tensor) -> int:
+    def import_kv(
+        self, block_hashes: list[bytes], blocks: torch.Tensor, adapter: str | None = None
+    ) -> int:
         """Write blocks another worker exported into this pool as cached blocks under their
         hashes (`KVCacheManager.import_blocks`); returns how many. A request for those
-        tokens (same tenant) then hits them instead of computing them."""
-        return self.kv.import_blocks(block_hashes, blocks)
+        tokens (same tenant, same `adapter`) then hits them instead of computing them.
+
+        `adapter` is the LoRA adapter the blocks were computed with (None: the base
+        model); the KV events of the imported blocks name it (`kv_event_adapters`).
+        """
+        n = self.kv.import_blocks(block_hashes, blocks)
+        if adapter is not None:
+            for h in block_hashes:
+                if self.kv.holds(h):
+                    self._adapter_of[h] = adapter
+        return n
 
     def evict_cached(self, n: int) -> int:
         """Evict up to `n` cached blocks (duplicated elsewhere first, then LRU) to free blocks now.
@@ -569,6 +581,10 @@ class LLMEngine:
     def resident_adapters(self) -> tuple[str, ...]:
         """The LoRA adapters in device slots now, least recently used first."""
         return self.lora.table.resident if self.lora is not None else ()
+
+    def lora_usage(self) -> LoRAUsage:
+        """The LoRA slots now: capacity, resident adapters, loads and evictions per adapter."""
+        return self.lora.usage() if self.lora is not None else LoRAUsage()
 
     def adapter_ids(self) -> dict[str, str]:
         """Each served adapter's `name:hash` identity (the `adapter_id` of its prefix hashes)."""

@@ -26,11 +26,10 @@ _KV_EVENT_TYPES = frozenset({"stored", "removed", "offload_stored", "offload_rem
 # Wire op codes: the pool's events keep their original bytes; the offload tier's follow.
 _KV_OPS = {"removed": 0, "stored": 1, "offload_removed": 2, "offload_stored": 3}
 _KV_KINDS = {op: kind for kind, op in _KV_OPS.items()}
-# LoadReport counters of the offload tier, of migration and of LoRA slots, by their field names.
+# LoadReport counters of the offload tier and of migration, by their field names.
 _OFFLOAD_FIELDS = ("offload_blocks", "offload_hit_tokens", "offload_bytes_in", "offload_bytes_out")
 _MIGRATION_FIELDS = ("kv_blocks_exported", "kv_blocks_imported", "kv_import_failures")
-_LORA_FIELDS = ("lora_loads", "lora_evictions")
-_TIER_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS + _LORA_FIELDS
+_TIER_INT_FIELDS = _OFFLOAD_FIELDS + _MIGRATION_FIELDS
 
 
 class EventDecodeError(ValueError):
@@ -174,9 +173,9 @@ class LoadReport:
     kv_blocks_exported: int = 0
     kv_blocks_imported: int = 0
     kv_import_failures: int = 0
-    # LoRA adapters loaded into a device slot, and evicted from one, cumulative.
-    lora_loads: int = 0
-    lora_evictions: int = 0
+    # Per LoRA adapter: its loads into a device slot, and its evictions from one, cumulative.
+    lora_loads: Mapping[str, int] = field(default_factory=dict)
+    lora_evictions: Mapping[str, int] = field(default_factory=dict)
     # Cumulative tokens this worker incarnation has streamed out: the scheduler's
     # sign of progress (a worker with work whose count stands still is hung).
     progress: int = 0
@@ -203,8 +202,11 @@ class LoadReport:
     recompute_s_per_token: float = 0.0
     kv_import_s_per_block: float = 0.0
     # The LoRA adapters in the worker's device slots now (routing prefers a worker that
-    # holds a request's adapter: loading one costs time).
+    # holds a request's adapter: loading one costs time), and how many slots it has
+    # (`max_loras`; 0: it serves no adapters). A cold adapter goes preferably where a
+    # slot is free, so that loading it evicts no resident adapter.
     resident_adapters: tuple[str, ...] = ()
+    lora_slots: int = 0
 
     def supersedes(self, previous: LoadReport | None) -> bool:
         """Whether this report is newer than `previous` from the same worker."""
@@ -218,6 +220,11 @@ class LoadReport:
         if self.prefix_query_tokens <= 0:
             return 0.0
         return self.prefix_hit_tokens / self.prefix_query_tokens
+
+    @property
+    def lora_free_slots(self) -> int:
+        """LoRA slots no adapter holds now (0 on a worker without adapters)."""
+        return max(0, self.lora_slots - len(self.resident_adapters))
 
     @property
     def num_allocatable(self) -> int:
@@ -269,6 +276,9 @@ class LoadReport:
                 "recompute_s_per_token": float(self.recompute_s_per_token),
                 "kv_import_s_per_block": float(self.kv_import_s_per_block),
                 "resident_adapters": list(self.resident_adapters),
+                "lora_slots": self.lora_slots,
+                "lora_loads": dict(self.lora_loads),
+                "lora_evictions": dict(self.lora_evictions),
             },
             use_bin_type=True,
         )
@@ -310,6 +320,9 @@ class LoadReport:
             recompute_s_per_token=_cost(obj, "recompute_s_per_token"),
             kv_import_s_per_block=_cost(obj, "kv_import_s_per_block"),
             resident_adapters=_strings(obj, "resident_adapters"),
+            lora_slots=_get(obj, "lora_slots", int),
+            lora_loads=_count_map(obj, "lora_loads"),
+            lora_evictions=_count_map(obj, "lora_evictions"),
         )
 
     @classmethod
@@ -334,6 +347,9 @@ class LoadReport:
         recompute_s_per_token: float = 0.0,
         kv_import_s_per_block: float = 0.0,
         resident_adapters: Iterable[str] = (),
+        lora_slots: int = 0,
+        lora_loads: Mapping[str, int] | None = None,
+        lora_evictions: Mapping[str, int] | None = None,
     ) -> LoadReport:
         """Build a report from an engine's counters (``LLMEngine.stats()``)."""
         return cls(
@@ -366,6 +382,9 @@ class LoadReport:
             recompute_s_per_token=recompute_s_per_token,
             kv_import_s_per_block=kv_import_s_per_block,
             resident_adapters=tuple(resident_adapters),
+            lora_slots=lora_slots,
+            lora_loads=dict(lora_loads or {}),
+            lora_evictions=dict(lora_evictions or {}),
         )
 
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +110,10 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {config_path}: {exc}") from exc
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
-    for field in _UNSUPPORTED_FIELDS:
-        if config.get(field):
+    for option in _UNSUPPORTED_FIELDS:
+        if config.get(option):
             raise LoRAError(
-                f"LoRA adapter {name!r}: {field}={config[field]!r} is not supported"
+                f"LoRA adapter {name!r}: {option}={config[option]!r} is not supported"
             )
     if config.get("bias", "none") != "none":
         raise LoRAError(
@@ -168,6 +168,18 @@ def _pair_weights(
     if not out:
         raise LoRAError(f"LoRA adapter {name!r}: the weights file holds no LoRA matrices")
     return out
+
+
+@dataclass(frozen=True)
+class LoRAUsage:
+    """A worker's LoRA slots for its load report: `slots` is `max_loras` (0: the worker
+    serves no adapters), `resident` the adapters in them (least recently used first),
+    `loads` and `evictions` per adapter since start."""
+
+    slots: int = 0
+    resident: tuple[str, ...] = ()
+    loads: Mapping[str, int] = field(default_factory=dict)
+    evictions: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -271,8 +283,9 @@ class LoRAManager:
     """The adapters of one model runner: host copies, the slot table and the wrapped projections.
 
     Every configured adapter is read and checked here, at load, so a bad one
-    fails the worker's start rather than a request. `loads` and `evictions`
-    count slot loads and evictions since start.
+    fails the worker's start rather than a request. `loads_by_adapter` and
+    `evictions_by_adapter` count, per adapter, its loads into a slot and its
+    evictions from one since start.
     """
 
     def __init__(
@@ -287,8 +300,8 @@ class LoRAManager:
         }
         self.table = LoRASlotTable(max_loras)
         self.segments: LoRASegments | None = None
-        self.loads = 0
-        self.evictions = 0
+        self.loads_by_adapter: Counter[str] = Counter()
+        self.evictions_by_adapter: Counter[str] = Counter()
         rank = max(a.rank for a in self.adapters.values())
         targets = {m for a in self.adapters.values() for m in a.weights}
         modules = dict(model.named_modules())
@@ -321,9 +334,29 @@ class LoRAManager:
             adapter = self.adapters[name]
             for path, module in self.modules.items():
                 module.set_slot(placement.slot, adapter.weights.get(path), adapter.scaling)
-            self.loads += 1
-            self.evictions += placement.evicted is not None
+            self.loads_by_adapter[name] += 1
+            if placement.evicted is not None:
+                self.evictions_by_adapter[placement.evicted] += 1
         return True
+
+    @property
+    def loads(self) -> int:
+        """Adapter loads into a slot since start, all adapters."""
+        return self.loads_by_adapter.total()
+
+    @property
+    def evictions(self) -> int:
+        """Adapter evictions from a slot since start, all adapters."""
+        return self.evictions_by_adapter.total()
+
+    def usage(self) -> LoRAUsage:
+        """The slots, who holds them, and the loads and evictions per adapter, now."""
+        return LoRAUsage(
+            self.table.max_loras,
+            self.table.resident,
+            dict(self.loads_by_adapter),
+            dict(self.evictions_by_adapter),
+        )
 
     def slot_of(self, name: str) -> int:
         """The slot of a resident adapter (the engine acquires before it schedules)."""
