@@ -85,6 +85,23 @@ def test_tools_are_refused_by_smollm2s_template_which_renders_none(client: opena
         )
 
 
+@pytest.mark.parametrize("role", ["tool", "developer"])
+def test_a_role_smollm2s_template_does_not_name_is_400_naming_the_roles_it_takes(
+    client: openai.OpenAI, role: str
+) -> None:
+    messages = [*QUESTION, {"role": role, "content": "Answer in one word.", "tool_call_id": "c1"}]
+    with pytest.raises(openai.BadRequestError, match=r"allowed roles: system, user, assistant"):
+        client.chat.completions.create(model="default", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+
+
+def test_openai_client_message_with_a_name_is_accepted_and_answered(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": QUESTION[0]["content"], "name": "alice"}]
+    reply = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=24  # type: ignore[arg-type]
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+
+
 def test_open_server_needs_no_key_at_all(cluster: RunningCluster) -> None:
     body = {"messages": QUESTION, "temperature": 0, "max_tokens": 24}
     r = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=120)
