@@ -37,6 +37,7 @@ MAX_MODEL_LEN = 1024  # room for the long request the disconnect test abandons
 KEY_ACME = "sk-acme-test-0123456789abcdef"
 KEY_GLOBEX = "sk-globex-test-0123456789abcdef"
 PROMPT = "The quick brown fox"
+SESSION_HEADER = "x-correlation-id"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -67,6 +68,8 @@ def openai_cluster_config() -> ClusterConfig:
                 "admission": "prompt",
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
+            # Sessions named as some clients name them (test_session_affinity: the default).
+            "router": {"session_header": SESSION_HEADER},
         }
     )
 
@@ -648,6 +651,22 @@ def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(client: An
 def test_best_of_with_stream_is_400(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": PROMPT, "best_of": 2, "stream": True})
     assert "best_of cannot be used with stream: true" in _error(r, 400)["message"]
+
+
+# ----- sessions under a renamed router.session_header ----------------------------
+
+
+def test_a_bad_value_of_the_renamed_session_header_is_400_naming_it(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT}, headers={SESSION_HEADER: "s" * 1000})
+    assert f"{SESSION_HEADER} must be at most " in _error(r, 400)["message"]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_x_session_id_is_not_read_once_the_session_header_is_renamed(http: httpx.Client) -> None:
+    # A value the session header refuses: the request goes through because it is not read.
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                  headers={"x-session-id": "s" * 1000})  # fmt: skip
+    assert r.status_code == 200, r.text
 
 
 # ----- models, health, auth -------------------------------------------------------
