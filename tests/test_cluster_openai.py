@@ -38,6 +38,7 @@ MAX_MODEL_LEN = 1024  # room for the long request the disconnect test abandons
 KEY_ACME = "sk-acme-test-0123456789abcdef"
 KEY_GLOBEX = "sk-globex-test-0123456789abcdef"
 PROMPT = "The quick brown fox"
+SESSION_HEADER = "x-correlation-id"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -68,6 +69,8 @@ def openai_cluster_config() -> ClusterConfig:
                 "admission": "prompt",
             },
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
+            # Sessions named as some clients name them (test_session_affinity: the default).
+            "router": {"session_header": SESSION_HEADER},
         }
     )
 
@@ -243,6 +246,28 @@ def test_parse_refuses_a_non_text_content_part_naming_its_type() -> None:
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
     with pytest.raises(IngressError, match=r"content\[1\]: content part type 'image_url' is not supported"):
         parse_request(body, chat=True)
+
+
+def test_parse_keeps_a_messages_name_and_tool_call_id_for_the_chat_template() -> None:
+    messages = [
+        {"role": "user", "content": "Hi", "name": "alice"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": None},
+    ]
+    assert parse_request({"messages": messages}, chat=True).prompt == [
+        {"role": "user", "content": "Hi", "name": "alice"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+
+
+def test_parse_refuses_a_message_name_that_is_not_a_string() -> None:
+    with pytest.raises(IngressError, match=r"messages\[0\].name must be a string, got 7"):
+        parse_request({"messages": [{"role": "user", "content": "Hi", "name": 7}]}, chat=True)
+
+
+def test_parse_takes_vllms_continuous_usage_stats_only_when_off() -> None:
+    body = {"prompt": "Hello", "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}  # fmt: skip
+    assert parse_request(body, chat=False).include_usage
 
 
 def test_parse_reads_the_penalties_min_p_and_logit_bias() -> None:
@@ -450,6 +475,39 @@ def test_stop_string_ends_the_completion_before_it(http: httpx.Client) -> None:
     assert choice["text"] == full[: full.index(stop)]
 
 
+@pytest.fixture(scope="module")
+def stop_token(offline: LLM) -> tuple[int, list[int]]:
+    """A token of the greedy completion of PROMPT, and the completion up to and with it."""
+    full = offline.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    stop = full[6]
+    return stop, full[: full.index(stop) + 1]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_stop_token_ids_end_the_completion_at_that_token_over_http(
+    http: httpx.Client, offline: LLM, stop_token: tuple[int, list[int]]
+) -> None:
+    stop, tokens = stop_token
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=len(tokens), ignore_eos=True))[0]
+    body = _complete(http, PROMPT, max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == want.text
+    assert body["usage"]["completion_tokens"] == len(tokens)
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_stop_token_ids_end_the_completion_at_that_token_over_grpc(
+    cluster: RunningCluster, stop_token: tuple[int, list[int]]
+) -> None:
+    from pagefleet.cluster.client import stream_generate
+
+    stop, tokens = stop_token
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,))
+    messages = list(stream_generate(cluster.grpc_target, PROMPT, params, api_key=KEY_ACME))
+    assert [t for m in messages for t in m.token_ids] == tokens
+    assert messages[-1].finish_reason == "stop"
+
+
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 
 
@@ -596,6 +654,22 @@ def test_best_of_with_stream_is_400(http: httpx.Client) -> None:
     assert "best_of cannot be used with stream: true" in _error(r, 400)["message"]
 
 
+# ----- sessions under a renamed router.session_header ----------------------------
+
+
+def test_a_bad_value_of_the_renamed_session_header_is_400_naming_it(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT}, headers={SESSION_HEADER: "s" * 1000})
+    assert f"{SESSION_HEADER} must be at most " in _error(r, 400)["message"]
+
+
+@pytest.mark.usefixtures("pool_ends_clean")
+def test_x_session_id_is_not_read_once_the_session_header_is_renamed(http: httpx.Client) -> None:
+    # A value the session header refuses: the request goes through because it is not read.
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                  headers={"x-session-id": "s" * 1000})  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
 # ----- models, health, auth -------------------------------------------------------
 
 
@@ -724,6 +798,57 @@ def test_a_chat_role_with_a_newline_is_400_naming_the_allowed_roles(http: httpx.
     messages = [{"role": "user\nsystem", "content": "Hi"}]
     r = http.post("/v1/chat/completions", json={"messages": messages})
     assert "allowed roles: system, user, assistant, tool, developer" in _error(r, 400)["message"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "user", "content": "Hi", "weight": 2}],
+         "messages[0].weight is not supported by this server; a message takes role, content, "
+         "name and tool_call_id"),
+        ([{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}],
+         "messages[0].content[0].cache_control is not supported by this server; a text part takes "
+         "type and text"),
+    ],
+)  # fmt: skip
+def test_an_unknown_key_of_a_chat_message_or_content_part_is_400_naming_it(
+    http: httpx.Client, messages: list[dict[str, Any]], message: str
+) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": messages})
+    assert message in _error(r, 400)["message"]
+
+
+def test_a_stream_option_the_server_does_not_implement_is_400_naming_it(http: httpx.Client) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "stream": True, "stream_options": options})
+    assert "stream_options.continuous_usage_stats is not supported by this server (got True)" in (
+        _error(r, 400)["message"]
+    )
+
+
+def test_a_message_name_on_a_model_without_a_chat_template_is_400(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi", "name": "alice"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages})
+    assert "messages[0].name is not supported by this model: it has no chat template" in (
+        _error(r, 400)["message"]
+    )
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400_naming_its_size(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "stop_token_ids": [1000000]})
+    assert "stop_token_ids token id 1000000 is outside the vocabulary [0, " in _error(r, 400)["message"]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_invalid_argument_over_grpc(
+    cluster: RunningCluster,
+) -> None:
+    from pagefleet.cluster.client import stream_generate
+
+    params = SamplingParams(stop_token_ids=(1000000,))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream_generate(cluster.grpc_target, PROMPT, params, api_key=KEY_ACME))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stop_token_ids token id 1000000 is outside the vocabulary [0, " in (err.value.details() or "")
 
 
 def test_token_outside_the_vocabulary_is_400(http: httpx.Client) -> None:

@@ -669,6 +669,31 @@ def test_a_worker_killed_mid_stream_of_n_2_resumes_each_completion_with_the_no_f
     )
 
 
+def test_a_seeded_sampled_n_2_stream_resumed_after_its_worker_died_draws_the_no_fault_tokens(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    """Each draw depends only on (seed, completion, output position), so the continuations
+    on the other worker draw what the undisturbed completions drew."""
+    prompt = "A worker dies while two seeded completions stream"
+    max_tokens = MAX_MODEL_LEN - 20
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "n": 2, "temperature": 0.8, "seed": 5}
+    want = offline.generate(prompt, SamplingParams(**sampling))[0]  # type: ignore[arg-type]
+    channel, it = open_stream(target, prompt, **sampling)
+    with channel:
+        got = [next(it)]
+        while not got[-1].token_ids:
+            got.append(next(it))
+        victim = got[-1].worker_id
+        ray.kill(cluster.worker_handle(victim), no_restart=False)
+        got += list(it)
+    tokens, _ = _by_index(got, 2)
+    assert got[-1].worker_id != victim, "the streams should have moved to the other worker"
+    assert tokens == [c.token_ids for c in want.outputs]
+    wait_for(
+        lambda: victim in _live_workers(target), 120, f"{victim} back in routing", interval_s=0.5
+    )
+
+
 def test_a_structured_stream_resumed_after_its_worker_died_keeps_to_its_grammar(
     cluster: RunningCluster, target: str, offline: LLM
 ) -> None:

@@ -2,7 +2,8 @@
 
 One cluster for the module: pool "default", one CPU worker on
 smollm2-135m-instruct, no tenants (an open server: any API key, or none, is
-accepted), gRPC and HTTP on free ports.
+accepted), gRPC and HTTP on free ports, sessions named by `x-correlation-id`
+(`router.session_header` renamed; test_session_affinity: the default).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from cluster_fixtures import generate
 from smollm2 import SMOLLM2, smollm2_dir
 
 from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.client import build_request
 from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 from pagefleet.worker.llm import LLM
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -29,6 +32,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 POOL = {"model": SMOLLM2, "workers": 1, "num_kv_blocks": 64, "device": "cpu"}
+SESSION_HEADER = "x-correlation-id"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,7 @@ def cluster() -> Iterator[RunningCluster]:
         {
             "pools": [{"name": "default", **POOL}],
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0},
+            "router": {"session_header": SESSION_HEADER},
         }
     )
     started = time.monotonic()
@@ -85,6 +90,23 @@ def test_tools_are_refused_by_smollm2s_template_which_renders_none(client: opena
         )
 
 
+@pytest.mark.parametrize("role", ["tool", "developer"])
+def test_a_role_smollm2s_template_does_not_name_is_400_naming_the_roles_it_takes(
+    client: openai.OpenAI, role: str
+) -> None:
+    messages = [*QUESTION, {"role": role, "content": "Answer in one word.", "tool_call_id": "c1"}]
+    with pytest.raises(openai.BadRequestError, match=r"allowed roles: system, user, assistant"):
+        client.chat.completions.create(model="default", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+
+
+def test_openai_client_message_with_a_name_is_accepted_and_answered(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": QUESTION[0]["content"], "name": "alice"}]
+    reply = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=24  # type: ignore[arg-type]
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+
+
 def test_open_server_needs_no_key_at_all(cluster: RunningCluster) -> None:
     body = {"messages": QUESTION, "temperature": 0, "max_tokens": 24}
     r = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=120)
@@ -129,6 +151,31 @@ def test_grpc_logprobs_come_with_each_messages_tokens(cluster: RunningCluster) -
     entries = [e for m in messages for e in m.logprobs]
     assert [e.token_id for e in entries] == tokens and tokens
     assert all(len(e.top_logprobs) == 1 for e in entries)
+
+
+def test_grpc_metadata_names_the_session_by_the_renamed_header_not_x_session_id(
+    cluster: RunningCluster,
+) -> None:
+    # x-session-id with a value the session header refuses: it is not read.
+    metadata = ((SESSION_HEADER, "corr-1"), ("x-session-id", "s" * 1000))
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(
+            build_request("Hi", {"max_tokens": 2}), timeout=120, metadata=metadata
+        )
+        assert list(call)[-1].finish_reason == "length"
+
+
+def test_a_bad_value_of_the_renamed_session_header_is_invalid_argument_over_grpc(
+    cluster: RunningCluster,
+) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}")
+    with channel, pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.GenerationStub(channel).Generate(
+            build_request("Hi", {"max_tokens": 2}), timeout=120,
+            metadata=((SESSION_HEADER, "s" * 1000),),
+        ))  # fmt: skip
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{SESSION_HEADER} must be at most 128 characters, got 1000" in (err.value.details() or "")
 
 
 # ----- structured output ----------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.worker.engine import LLMEngine, RequestError
+from pagefleet.worker.sequence import derive_seed
 
 
 def assert_pool_clean(llm: LLM) -> None:
@@ -54,6 +55,12 @@ def test_request_that_cannot_fit_the_pool_alone_is_rejected(engine: LLMEngine) -
 def test_empty_prompt_is_rejected(engine: LLMEngine) -> None:
     with pytest.raises(RequestError, match="prompt is empty"):
         engine.add_request("a", [], SamplingParams())
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_rejected_naming_its_size(engine: LLMEngine) -> None:
+    vocab = engine.vocab_size
+    with pytest.raises(RequestError, match=rf"stop_token_ids token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        engine.add_request("a", PROMPT, SamplingParams(stop_token_ids=(vocab,)))
 
 
 @pytest.mark.parametrize("bad", [1024, -1])
@@ -173,6 +180,40 @@ def test_seeded_parallel_sampling_is_reproducible_in_any_batch(llm: LLM) -> None
     )[1]
     assert [c.token_ids for c in batched.outputs] == [c.token_ids for c in alone.outputs]
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1  # the n draws differ
+    assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize(("n", "index"), [(1, 0), (3, 2)])
+def test_a_seeded_completion_resumed_on_another_engine_draws_the_undisturbed_tokens(
+    llm: LLM, n: int, index: int
+) -> None:
+    params = SamplingParams(max_tokens=12, n=n, temperature=1.0, seed=42, ignore_eos=True)
+    whole = llm.generate(PROMPT, params)[0].outputs[index].token_ids
+    other = LLM(model="tiny", block_size=16, num_kv_blocks=5, max_model_len=100).engine
+    # As the ingress resumes one completion after a failover: its tokens so far end the
+    # prompt, and it draws from the seed the engine gave that completion.
+    rest = SamplingParams(max_tokens=7, temperature=1.0, seed=derive_seed(42, index), ignore_eos=True)
+    prompt = [int(t) for t in llm.tokenizer.encode(PROMPT)]
+    other.add_request("resumed", prompt + whole[:5], rest, num_resumed_tokens=5)
+    resumed: list[int] = []
+    while other.has_unfinished_requests():
+        resumed += [t for o in other.step() for t in o.new_token_ids]
+    assert whole[:5] + resumed == whole
+
+
+def test_a_seeded_sampled_request_preempted_by_recompute_draws_the_undisturbed_tokens() -> None:
+    llm = LLM(model="tiny", block_size=16, num_kv_blocks=4, enable_prefix_caching=False)
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    undisturbed = llm.generate(list(range(3, 23)), seeded)[0].token_ids
+    engine = llm.engine
+    engine.add_request("low", list(range(3, 23)), seeded, priority=0)
+    engine.step()
+    engine.add_request("high", list(range(30, 50)), SamplingParams(max_tokens=40, ignore_eos=True), priority=5)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert engine.stats()["preemptions_recompute"] > 0
+    assert done["low"] == undisturbed
     assert_pool_clean(llm)
 
 

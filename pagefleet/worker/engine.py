@@ -268,6 +268,11 @@ class LLMEngine:
                 raise RequestError(
                     f"logit_bias token id {tok} is outside the vocabulary [0, {self.vocab_size})"
                 )
+        for tok in params.stop_token_ids:
+            if tok >= self.vocab_size:
+                raise RequestError(
+                    f"stop_token_ids token id {tok} is outside the vocabulary [0, {self.vocab_size})"
+                )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none")
 
@@ -410,7 +415,7 @@ class LLMEngine:
         tokens = sample(
             mask_logits(logits[rows], [s.matcher for s in sampled]),
             [s.request.params for s in sampled],
-            [s.generator for s in sampled],
+            [s.draw_generator() for s in sampled],
             [_history(s) for s in sampled],
         )
         self._record_logprobs(logits, rows, sampled, tokens)

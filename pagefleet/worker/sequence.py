@@ -111,9 +111,25 @@ class Sequence:
         # (accepted once each as sampled; a recompute does not sample them again).
         self.matcher: TokenMatcher | None = None
         self.generator: torch.Generator | None = None
+        self._seed = derive_seed(request.base_seed, index)
         if not request.params.greedy:
             # A private generator per sequence: its draws do not depend on batch mates.
-            self.generator = torch.Generator().manual_seed(derive_seed(request.base_seed, index))
+            self.generator = torch.Generator().manual_seed(self._seed)
+
+    def draw_generator(self) -> torch.Generator | None:
+        """The generator of this sequence's next draw (None: greedy).
+
+        A seeded request reseeds it from (its completion's seed, the output
+        position) before each draw, so every draw depends on those alone: a
+        request resumed after N tokens on another worker (its first N at the
+        end of its prompt, `num_resumed_tokens`, and the completion's seed)
+        draws exactly the tokens the undisturbed run would have. An unseeded
+        one keeps drawing from one stream.
+        """
+        if self.generator is not None and self.request.params.seed is not None:
+            position = self.request.num_resumed_tokens + self.num_output_tokens
+            self.generator.manual_seed(draw_seed(self._seed, position))
+        return self.generator
 
     @property
     def num_tokens(self) -> int:
@@ -161,3 +177,15 @@ def derive_seed(base_seed: int, index: int) -> int:
     """Seed of completion `index`: distinct per index, stable across runs."""
     # Odd 64-bit multiplier (golden ratio) spreads indexes; keep inside torch's int64 seed range.
     return (base_seed + index * 0x9E3779B97F4A7C15) % (2**63)
+
+
+_MASK64 = 2**64 - 1
+
+
+def draw_seed(completion_seed: int, position: int) -> int:
+    """Seed of a seeded completion's draw at output `position`: splitmix64 of both, so
+    neighbouring positions and seeds give unrelated streams."""
+    x = (completion_seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) % (2**63)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagefleet.cluster.api import sampling_params, structured_output
 from pagefleet.cluster.errors import InvalidArgument
-from pagefleet.worker.chat import ChatTemplateError, ChatTool
+from pagefleet.worker.chat import CHAT_ROLES, TEMPLATE_MESSAGE_KEYS, ChatTemplateError, ChatTool
 from pagefleet.worker.chat import chat_prompt as worker_chat_prompt
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.structured_output import StructuredOutput
@@ -30,8 +30,6 @@ from pagefleet.worker.structured_output import StructuredOutput
 # OpenAI's documented default; pass temperature 0 for greedy decoding.
 DEFAULT_TEMPERATURE = 1.0
 
-# The roles a chat message may have (OpenAI's, less the deprecated "function").
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 # Fields this server does not implement: a request setting one to anything but
 # its neutral value is refused, rather than silently answered without it.
@@ -185,6 +183,17 @@ class _Body(BaseModel):
         options = options or {}
         if not isinstance(options, Mapping):
             raise ValueError(f"stream_options must be an object, got {options!r}")
+        for key, value in options.items():
+            # vLLM's per-chunk usage, unless off.
+            if key == "continuous_usage_stats" and value in (None, False):
+                continue
+            if key != "include_usage":
+                raise ValueError(
+                    f"stream_options.{key} is not supported by this server (got {value!r}); "
+                    "stream_options takes include_usage"
+                )
+            if not isinstance(value, (bool, type(None))):
+                raise ValueError(f"stream_options.include_usage must be a boolean, got {value!r}")
         return options
 
     def _max_tokens(self) -> int | None:
@@ -491,14 +500,24 @@ def _tool_of(i: int, tool: Any) -> ChatTool:
     return ChatTool(name, description, None if parameters is None else json.dumps(parameters))
 
 
+_MESSAGE_KEYS = {"role", "content", "tool_calls", *TEMPLATE_MESSAGE_KEYS}
+
+
 def _message_of(i: int, msg: Any) -> dict[str, str]:
-    """One chat message as {role, content}; ValueError naming what is wrong with it."""
+    """One chat message as {role, content} (and its `name` and `tool_call_id`, which go
+    to the chat template); ValueError naming what is wrong with it."""
     if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
         raise ValueError(f"messages[{i}] must be an object with a string role")
     role = msg["role"]
     if role not in CHAT_ROLES:
         raise ValueError(
             f"messages[{i}].role {role!r} is not supported; allowed roles: {', '.join(CHAT_ROLES)}"
+        )
+    unknown = sorted(set(msg) - _MESSAGE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"messages[{i}].{unknown[0]} is not supported by this server; a message takes "
+            "role, content, name and tool_call_id"
         )
     if msg.get("tool_calls"):
         raise ValueError(f"messages[{i}].tool_calls: tool calls are not supported by this server")
@@ -511,6 +530,12 @@ def _message_of(i: int, msg: Any) -> dict[str, str]:
                     f"messages[{i}].content[{j}]: content part type {kind!r} is not supported "
                     "(only 'text')"
                 )
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise ValueError(
+                    f"messages[{i}].content[{j}].{extra[0]} is not supported by this server; "
+                    "a text part takes type and text"
+                )
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{i}].content[{j}].text must be a string")
         content = "".join(part["text"] for part in content)
@@ -518,7 +543,15 @@ def _message_of(i: int, msg: Any) -> dict[str, str]:
         raise ValueError(
             f"messages[{i}].content must be a string or a list of text parts, got {content!r}"
         )
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    for key in TEMPLATE_MESSAGE_KEYS:
+        value = msg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"messages[{i}].{key} must be a string, got {value!r}")
+        message[key] = value
+    return message
 
 
 @dataclass(frozen=True)
