@@ -4,9 +4,11 @@ of the server is left (Ray's agents included)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -19,6 +21,8 @@ from serve_process import ServeProcess, free_port, other_ray_head, serving
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STREAM_TOKENS = 300  # a stream still running when the stop signal comes
+# ... and one that outlasts the seconds Ray's GCS and raylet take to end on a SIGTERM.
+LONG_STREAM_TOKENS = 1000
 
 
 def write_config(path: Path, *, pool: dict[str, object] | None = None, drain_timeout_s: float = 180) -> Path:
@@ -52,25 +56,44 @@ def test_serve_starts_its_own_ray_while_another_runs_and_ray_address_names_it(
         server.assert_nothing_left()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+STOP_SIGNALS = pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+
+
+@STOP_SIGNALS
 def test_stop_signal_drains_running_streams_refuses_new_ones_and_exits_0(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
-    config = write_config(tmp_path / "cluster.yaml")
     # A dead address in RAY_ADDRESS (a past cluster's) changes nothing either.
-    with serving(["--config", str(config), "--metrics-port", "-1"], tmp_path / "serve.log",
-                 RAY_ADDRESS="127.0.0.1:1") as server:  # fmt: skip
+    _assert_stop_drains(tmp_path, lambda server: server.proc.send_signal(sig), RAY_ADDRESS="127.0.0.1:1")
+
+
+@STOP_SIGNALS
+def test_stop_signal_to_the_whole_process_group_drains_like_one_to_serve(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    # What a closed terminal (SIGHUP) and systemd's default KillMode=control-group
+    # (SIGTERM) do: the signal reaches the local Ray's processes too, not only serve.
+    _assert_stop_drains(tmp_path, lambda server: os.killpg(server.proc.pid, sig), tokens=LONG_STREAM_TOKENS)
+
+
+def _assert_stop_drains(
+    tmp_path: Path, send_stop: Callable[[ServeProcess], None], tokens: int = STREAM_TOKENS, **env: str
+) -> None:
+    """With a stream of `tokens` running, `send_stop` stops serve: the stream finishes, a new
+    request is refused, serve exits 0 and no process of it is left."""
+    config = write_config(tmp_path / "cluster.yaml")
+    with serving(["--config", str(config), "--metrics-port", "-1"], tmp_path / "serve.log", **env) as server:
         server.wait_serving()
         target = server.endpoint("gRPC")
-        channel, stream = open_stream(target, "Hello", max_tokens=STREAM_TOKENS, ignore_eos=True)
+        channel, stream = open_stream(target, "Hello", max_tokens=tokens, ignore_eos=True)
         with channel:
             messages = [next(stream)]  # running on the worker
-            server.proc.send_signal(sig)
+            send_stop(server)
             wait_for(lambda: "pagefleet: draining" in server.log, 30, "the drain to start")
             refused = _refusal(target)
             messages += list(stream)
         assert refused == grpc.StatusCode.UNAVAILABLE
-        assert len(tokens_of(messages)) == STREAM_TOKENS
+        assert len(tokens_of(messages)) == tokens
         assert messages[-1].finish_reason == "length"
         assert server.wait_exit(120) == 0, server.log[-4000:]
         server.assert_nothing_left()

@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,6 +287,25 @@ def check_gcs_storage(config: ClusterConfig) -> None:
         )  # fmt: skip
 
 
+# Signals the local Ray's processes never act on: a closed terminal (SIGHUP) and systemd's
+# default KillMode=control-group (SIGTERM) signal every process of the server, not only
+# `pagefleet serve`, and Ray's GCS and raylet would end at once (Ray blocks only SIGINT in
+# its processes), taking the drain's streams with them. Serve drains, then ends them by pid.
+RAY_SPARED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def signals_blocked(signals: frozenset[signal.Signals]) -> Iterator[None]:
+    """Block `signals` in this thread meanwhile. Every process started meanwhile inherits
+    the mask, and so do theirs (the raylet's workers and agents); one of these signals sent
+    to this process meanwhile waits, and is handled once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
     """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
     30 s to register, which a starved machine can miss) is stopped and tried again."""
@@ -294,7 +314,8 @@ def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+            with signals_blocked(RAY_SPARED_SIGNALS):
+                ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
             return
         except Exception as exc:  # Ray's own start-up failed
             # Its half-started node is not Ray's to stop (ray.init raised before keeping
