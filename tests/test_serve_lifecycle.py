@@ -16,7 +16,11 @@ import httpx
 import pytest
 import yaml
 from cluster_fixtures import generate, open_stream, tokens_of, wait_for
+from ray._private.state import actors as actors_in_gcs
+from ray_nodes import ray_nodes
 from serve_process import ServeProcess, free_port, other_ray_head, serving
+
+from pagefleet.cluster.names import NAMESPACE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -126,6 +130,35 @@ def test_sigint_during_start_up_stops_at_once(tmp_path: Path) -> None:
         server.assert_nothing_left()
     finally:
         server.close()
+
+
+def test_sigint_during_start_up_on_a_joined_cluster_leaves_no_serve_app_or_actor_there(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "cluster.yaml")
+    with ray_nodes() as nodes:
+        nodes.start_head()
+        nodes.init(NAMESPACE)  # this test's own driver, to see the cluster's actors
+        server = ServeProcess(["--config", str(config), "--address", nodes.address, "--metrics-port", "-1"],
+                              tmp_path / "serve.log")  # fmt: skip
+        try:
+
+            def deploying() -> bool:
+                assert server.proc.poll() is None, server.log[-4000:]
+                # Serve runs the app's ingress replica: the start is inside serve.run.
+                return any(name.startswith("ServeReplica:") for name in _live_actors())
+
+            wait_for(deploying, 300, "the ingress replica to start", 0.2)
+            assert server.stop(signal.SIGINT, timeout_s=60) == 130, server.log[-4000:]
+            assert "SIGINT during start-up: stopped" in server.log
+            server.assert_nothing_left()
+            # Serve's controller may stay (Serve's own, detached); nothing of pagefleet's does.
+            wait_for(lambda: set(_live_actors()) <= {"ServeController"}, 60, "pagefleet's actors to end", 0.5)
+        finally:
+            server.close()
+
+
+def _live_actors() -> list[str]:
+    """The class names of the live actors on the cluster this test's driver joined."""
+    return [a["ActorClassName"] for a in actors_in_gcs().values() if a["State"] == "ALIVE"]
 
 
 def test_a_pool_larger_than_the_machine_is_refused_before_ray(tmp_path: Path) -> None:

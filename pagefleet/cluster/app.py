@@ -253,10 +253,32 @@ def start_cluster(
         if started_ray:
             stop_local_ray()
         elif joined_ray:
-            with contextlib.suppress(Exception):
-                serve.delete(APP_NAME)
+            _delete_serve_app()
             ray.shutdown()
         raise
+
+
+# How long a stop during start-up on a joined cluster waits for Serve to delete the app.
+ABANDON_TIMEOUT_S = 30.0
+
+
+def abandon_joined_start(timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+    """Undo what a `start_cluster` on a joined cluster has created so far, for a stop signal
+    that ends the process in the middle of it. The actors this driver owns (schedulers,
+    membership, workers) end with its exit; the Serve app does not (Serve keeps it, and its
+    ingress replicas on the ports, after the driver that deployed it is gone), so it is
+    deleted here. In a thread, bounded: the signal may have come in the middle of a Serve call."""
+    if not ray.is_initialized():
+        return  # still connecting: nothing created yet
+    deleting = threading.Thread(target=_delete_serve_app, daemon=True, name="pagefleet-abandon-start")
+    deleting.start()
+    deleting.join(timeout_s)
+
+
+def _delete_serve_app() -> None:
+    """Delete this deployment's Serve app and wait until Serve has (no Serve yet: nothing to do)."""
+    with contextlib.suppress(Exception):
+        serve.delete(APP_NAME)
 
 
 # What the head records as its GCS storage (`gcs_watch.gcs_storage`) when a restarted GCS
