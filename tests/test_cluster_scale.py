@@ -4,13 +4,15 @@ One cluster for the module: pool "default" starts with 1 CPU worker, routed
 round robin so new requests spread over every live worker. The tests run in
 order, each starting from the pool the previous one left: two workers added
 while a stream runs, a removal that drains a stream, a removal whose drain
-times out, refusals, and a worker Ray cannot place. After every test each
-remaining worker has no live block and free + cached == total.
+times out, refusals, a worker Ray cannot place, and a scale-out of which only some
+workers start. After every test each remaining worker has no live block and
+free + cached == total.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +35,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import main
 from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS
+from pagefleet.cluster.names import NAMESPACE, worker_actor_name
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -194,3 +198,38 @@ def test_a_worker_ray_cannot_place_is_refused_up_front_or_rolled_back_and_its_id
     # Its id was new (default-1 and default-2 were removed before): ids are never reused.
     assert "worker default-3 did not start within 3s" in err
     assert len(_workers(cluster)) == 1 and pool_status(cluster.grpc_target).live_workers == 1
+
+
+def test_a_scale_out_that_starts_only_some_workers_removes_the_started_ones_again(
+    cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (kept,) = _workers(cluster)
+    free = ray.available_resources().get("CPU", 0.0)
+    hog = placement_group([{"CPU": free - CPU_WORKER_NUM_CPUS}])  # room for one more worker
+    ray.get(hog.ready(), timeout=60)
+    try:
+        # Two more, though only one fits: nodes are said to be on their way (an autoscaler),
+        # so nothing is refused up front; one loads, the other is never placed.
+        args = ["scale", "--pool", "default", "--workers", "3", "--timeout", "90", "--wait-for-nodes"]
+        assert main(args) == 2
+        # One line (Ray's own log lines of the cluster's actors may come with it).
+        lines = capsys.readouterr().err.splitlines()
+        [err] = [line for line in lines if line.startswith("pagefleet scale: error: ")]
+    finally:
+        remove_placement_group(hog)
+    rolled_back = re.search(
+        r"scale of pool 'default' to 3 failed and was rolled back \(removed (default-\d+) again; "
+        r"the pool keeps 1\): worker (default-\d+) did not start within 90s: ", err
+    )  # fmt: skip
+    assert rolled_back, err
+    started, unplaced = rolled_back.groups()
+    assert kept not in (started, unplaced)
+    assert "1 worker(s) cannot be placed" in err
+    # The started worker was drained and removed: gone from every view, its actor ended.
+    wait_for(lambda: set(_workers(cluster)) == {kept}, 30, f"{started} gone from GetStatus")
+    view = ray.get(cluster.scheduler.get_view.remote(), timeout=30)
+    assert {w.worker_id for w in view.workers} == {kept}
+    for worker_id in (started, unplaced):
+        with pytest.raises(ValueError):
+            ray.get_actor(worker_actor_name(worker_id), namespace=NAMESPACE)
+    assert generate(cluster.grpc_target, "still serving", max_tokens=2)[-1].worker_id == kept

@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,10 +253,32 @@ def start_cluster(
         if started_ray:
             stop_local_ray()
         elif joined_ray:
-            with contextlib.suppress(Exception):
-                serve.delete(APP_NAME)
+            _delete_serve_app()
             ray.shutdown()
         raise
+
+
+# How long a stop during start-up on a joined cluster waits for Serve to delete the app.
+ABANDON_TIMEOUT_S = 30.0
+
+
+def abandon_joined_start(timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+    """Undo what a `start_cluster` on a joined cluster has created so far, for a stop signal
+    that ends the process in the middle of it. The actors this driver owns (schedulers,
+    membership, workers) end with its exit; the Serve app does not (Serve keeps it, and its
+    ingress replicas on the ports, after the driver that deployed it is gone), so it is
+    deleted here. In a thread, bounded: the signal may have come in the middle of a Serve call."""
+    if not ray.is_initialized():
+        return  # still connecting: nothing created yet
+    deleting = threading.Thread(target=_delete_serve_app, daemon=True, name="pagefleet-abandon-start")
+    deleting.start()
+    deleting.join(timeout_s)
+
+
+def _delete_serve_app() -> None:
+    """Delete this deployment's Serve app and wait until Serve has (no Serve yet: nothing to do)."""
+    with contextlib.suppress(Exception):
+        serve.delete(APP_NAME)
 
 
 # What the head records as its GCS storage (`gcs_watch.gcs_storage`) when a restarted GCS
@@ -286,6 +309,25 @@ def check_gcs_storage(config: ClusterConfig) -> None:
         )  # fmt: skip
 
 
+# Signals the local Ray's processes never act on: a closed terminal (SIGHUP) and systemd's
+# default KillMode=control-group (SIGTERM) signal every process of the server, not only
+# `pagefleet serve`, and Ray's GCS and raylet would end at once (Ray blocks only SIGINT in
+# its processes), taking the drain's streams with them. Serve drains, then ends them by pid.
+RAY_SPARED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def signals_blocked(signals: frozenset[signal.Signals]) -> Iterator[None]:
+    """Block `signals` in this thread meanwhile. Every process started meanwhile inherits
+    the mask, and so do theirs (the raylet's workers and agents); one of these signals sent
+    to this process meanwhile waits, and is handled once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
     """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
     30 s to register, which a starved machine can miss) is stopped and tried again."""
@@ -294,7 +336,8 @@ def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+            with signals_blocked(RAY_SPARED_SIGNALS):
+                ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
             return
         except Exception as exc:  # Ray's own start-up failed
             # Its half-started node is not Ray's to stop (ray.init raised before keeping

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if starting:
-            stop_now(signum)
+            stop_now(signum, joined=args.address is not None)
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
@@ -210,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def stop_now(signum: int) -> None:
+def stop_now(signum: int, joined: bool) -> None:
     """A stop signal during start-up: nothing to drain yet, so end every process this
-    one started (the local Ray and its workers) and exit at once, 128 + the signal.
+    one started (the local Ray and its workers) and exit at once, 128 + the signal. On a
+    joined cluster (`joined`) the Serve app, if the start got that far, is deleted first.
 
     Not by an exception: raised from inside Ray's start-up it left Ray half torn
     down, and the interpreter's exit then crashed.
@@ -220,6 +221,10 @@ def stop_now(signum: int) -> None:
     import psutil
 
     print(f"pagefleet: {signal.Signals(signum).name} during start-up: stopped", file=sys.stderr, flush=True)
+    if joined:
+        from pagefleet.cluster.app import abandon_joined_start
+
+        abandon_joined_start()
     started = psutil.Process().children(recursive=True)
     for proc in started:
         with contextlib.suppress(psutil.Error):
