@@ -246,4 +246,4 @@ def test_blocks_imported_by_a_migration_keep_their_adapter_in_kv_events(
     target.add_request("resumed", prompt, SamplingParams(max_tokens=1), adapter="alpha")
     while target.has_unfinished_requests():
         target.step()
-    assert target.stats()["prefix_hit_tokens"] == 32
+    assert target.stats().prefix_hit_tokens == 32
