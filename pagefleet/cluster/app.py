@@ -51,7 +51,7 @@ from pagefleet.scheduler.actor import start_scheduler
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 5.0  # after ray.shutdown: how long Ray's processes get before SIGKILL
+STOP_GRACE_S = 5.0  # how long a SIGKILLed process gets to be reaped
 LOCAL_RAY_ATTEMPTS = 2
 
 
@@ -172,9 +172,10 @@ RAY_SHUTDOWN_THREAD = "pagefleet-ray-shutdown"
 
 
 def stop_local_ray() -> None:
-    """`ray.shutdown()` of the Ray this process started, then SIGKILL for any of its
-    processes still running: after a lost GCS, Ray's shutdown leaves the raylet's agents
-    (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) behind."""
+    """Disconnect this driver from the Ray it started, then SIGKILL every process of that
+    Ray. Ray's own stop would send each one SIGTERM and wait a second for it, but they
+    ignore SIGTERM (`RAY_SPARED_SIGNALS`); and after a lost GCS it leaves the raylet's
+    agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) behind."""
     import psutil
     from ray._private import worker
 
@@ -186,14 +187,15 @@ def stop_local_ray() -> None:
             with contextlib.suppress(psutil.Error):
                 root = psutil.Process(info.process.pid)
                 started += [root, *root.children(recursive=True)]
-    # In a thread: with the GCS gone, the driver's disconnect may wait on it (Ray's
-    # reconnect timeout). The thread's name lets a test wait for it before a next ray.init:
-    # Ray counts itself uninitialized before its shutdown is done.
+    # Without its node, `ray.shutdown` only disconnects the driver; the processes are ended
+    # here. In a thread: with the GCS gone, the disconnect may wait on it (Ray's reconnect
+    # timeout). The thread's name lets a test wait for it before a next ray.init: Ray counts
+    # itself uninitialized before its shutdown is done.
+    worker._global_node = None
     stopping = threading.Thread(target=ray.shutdown, daemon=True, name=RAY_SHUTDOWN_THREAD)
     stopping.start()
     stopping.join(timeout=30.0)
-    _, alive = psutil.wait_procs(started, timeout=STOP_GRACE_S)
-    _kill(alive)
+    _kill(started)
 
 
 def _kill(procs: list[Any]) -> None:
