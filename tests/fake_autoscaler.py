@@ -180,7 +180,7 @@ def start_fake_autoscaling_cluster(
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     cluster = FakeAutoscalingCluster(address, process, temp_dir, log)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a machine shared with other tests starts it slowly
     while b"Ray runtime started" not in log.read_bytes():
         if process.poll() is not None or time.monotonic() > deadline:
             output = log.read_text()

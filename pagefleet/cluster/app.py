@@ -45,7 +45,11 @@ from pagefleet.cluster.gcs_watch import (
     gcs_answers,
     gcs_storage,
 )
-from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS, start_membership
+from pagefleet.cluster.membership import (
+    CPU_WORKER_NUM_CPUS,
+    start_membership,
+    withdraw_resource_request,
+)
 from pagefleet.cluster.names import APP_NAME, HEAD_NODE_RESOURCE, INGRESS_NAME, NAMESPACE
 from pagefleet.scheduler.actor import start_scheduler
 
@@ -152,6 +156,10 @@ class RunningCluster:
             for _, handle in pool_workers:
                 ray.kill(handle, no_restart=True)
         ray.kill(self.membership, no_restart=True)
+        try:
+            withdraw_resource_request(self.config)
+        except Exception:  # shutting down anyway
+            logger.exception("withdrawing the autoscaler request failed")
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
 

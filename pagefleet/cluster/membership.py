@@ -545,6 +545,16 @@ class Membership:
             await asyncio.sleep(POLL_S)
 
 
+def withdraw_resource_request(config: ClusterConfig) -> None:
+    """Withdraw the request an autoscaled pool made of Ray's autoscaler (`_request_resources`),
+    once the deployment stops: a standing request keeps its nodes up with no worker on them.
+    Ray keeps one request per cluster, so this clears whoever made it last."""
+    if any(low < high for low, high in (pool.worker_bounds() for pool in config.pools)):
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+
+
 def load_failure(exc: BaseException) -> str:
     """The cause of a worker's failed load, one line: the last `SomeError: message` line of
     its constructor's traceback, else the error's first line."""
