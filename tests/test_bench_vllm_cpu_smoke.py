@@ -1,0 +1,50 @@
+"""The vLLM CPU benchmark's smoke mode runs end to end, with vLLM and without it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from smollm2 import smollm2_gguf
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_cpu.py"
+VLLM_PYTHON = Path("/opt/vllm-venv/bin/python")  # the script's default --vllm-python
+
+
+def run_smoke(*extra: str) -> str:
+    smollm2_gguf()  # skips, saying how to install it, when the model is absent
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", *extra],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(960)
+def test_without_vllm_pagefleet_rows_print_and_the_peer_is_skipped_with_a_note(
+    tmp_path: Path,
+) -> None:
+    out = run_smoke("--vllm-python", str(tmp_path / "no-such-python"))
+    assert "vLLM: skipped, no Python at" in out
+    for workload in ("mixed", "shared-prefix"):
+        assert re.search(rf"round 1: pagefleet defaults +{workload} ", out)
+    assert "pagefleet and vLLM CPU (best of rounds by wall clock)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(960)  # vLLM's start-up alone took 4 min under a load of 20
+def test_with_vllm_both_engines_run_and_token_equality_prints() -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM half SKIPPED: no vLLM venv at {VLLM_PYTHON} (see benchmarks/vllm_cpu.py)")
+    out = run_smoke()
+    if "vLLM: skipped" in out:
+        pytest.skip(next(line for line in out.splitlines() if line.startswith("vLLM: skipped")))
+    for workload in ("mixed", "shared-prefix"):
+        assert re.search(rf"round 1: vLLM eager +{workload} ", out)
+        assert f"pagefleet / vLLM eager on {workload}: " in out
+    assert "greedy token ids identical for" in out
