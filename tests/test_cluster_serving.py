@@ -622,13 +622,12 @@ def test_killing_one_scheduler_shard_leaves_both_pools_serving_and_its_view_rebu
     assert generate(target, "default after the rebuild", max_tokens=3)[-1].finish_reason == "length"
 
 
-def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
-    cluster: RunningCluster, target: str, offline: LLM
-) -> None:
-    prompt = "A worker dies while this stream runs"
-    max_tokens = MAX_MODEL_LEN - 20
-    want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-    channel, it = open_stream(target, prompt, max_tokens=max_tokens, ignore_eos=True)
+def _stream_killing_its_worker(
+    cluster: RunningCluster, target: str, prompt: str, **sampling: Any
+) -> tuple[list[Any], str]:
+    """Stream `prompt`, kill (Ray restarts it) the worker that sends its first token, and
+    read the stream to its end; its messages, and the killed worker's id."""
+    channel, it = open_stream(target, prompt, **sampling)
     with channel:
         got = [next(it)]
         while not got[-1].token_ids:
@@ -636,6 +635,16 @@ def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
         victim = got[-1].worker_id
         ray.kill(cluster.worker_handle(victim), no_restart=False)
         got += list(it)
+    return got, victim
+
+
+def test_worker_killed_mid_stream_resumes_with_the_no_fault_output(
+    cluster: RunningCluster, target: str, offline: LLM
+) -> None:
+    prompt = "A worker dies while this stream runs"
+    max_tokens = MAX_MODEL_LEN - 20
+    want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    got, victim = _stream_killing_its_worker(cluster, target, prompt, max_tokens=max_tokens, ignore_eos=True)
     assert tokens_of(got) == want.token_ids
     assert got[-1].finish_reason == "length"
     assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
@@ -651,14 +660,7 @@ def test_a_worker_killed_mid_stream_of_n_2_resumes_each_completion_with_the_no_f
     prompt = "A worker dies while two completions stream"
     max_tokens = MAX_MODEL_LEN - 20
     want = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-    channel, it = open_stream(target, prompt, max_tokens=max_tokens, ignore_eos=True, n=2)
-    with channel:
-        got = [next(it)]
-        while not got[-1].token_ids:
-            got.append(next(it))
-        victim = got[-1].worker_id
-        ray.kill(cluster.worker_handle(victim), no_restart=False)
-        got += list(it)
+    got, victim = _stream_killing_its_worker(cluster, target, prompt, max_tokens=max_tokens, ignore_eos=True, n=2)
     tokens, reasons = _by_index(got, 2)
     assert tokens == [want.token_ids, want.token_ids]
     assert reasons == [["length"], ["length"]]
@@ -678,14 +680,7 @@ def test_a_seeded_sampled_n_2_stream_resumed_after_its_worker_died_draws_the_no_
     max_tokens = MAX_MODEL_LEN - 20
     sampling = {"max_tokens": max_tokens, "ignore_eos": True, "n": 2, "temperature": 0.8, "seed": 5}
     want = offline.generate(prompt, SamplingParams(**sampling))[0]  # type: ignore[arg-type]
-    channel, it = open_stream(target, prompt, **sampling)
-    with channel:
-        got = [next(it)]
-        while not got[-1].token_ids:
-            got.append(next(it))
-        victim = got[-1].worker_id
-        ray.kill(cluster.worker_handle(victim), no_restart=False)
-        got += list(it)
+    got, victim = _stream_killing_its_worker(cluster, target, prompt, **sampling)
     tokens, _ = _by_index(got, 2)
     assert got[-1].worker_id != victim, "the streams should have moved to the other worker"
     assert tokens == [c.token_ids for c in want.outputs]
@@ -703,14 +698,7 @@ def test_a_structured_stream_resumed_after_its_worker_died_keeps_to_its_grammar(
     max_tokens = MAX_MODEL_LEN - 20
     params = SamplingParams(max_tokens=max_tokens, structured=StructuredOutput(regex=regex))
     want = offline.generate(prompt, params)[0]
-    channel, it = open_stream(target, prompt, max_tokens=max_tokens, regex=regex)
-    with channel:
-        got = [next(it)]
-        while not got[-1].token_ids:
-            got.append(next(it))
-        victim = got[-1].worker_id
-        ray.kill(cluster.worker_handle(victim), no_restart=False)
-        got += list(it)
+    got, victim = _stream_killing_its_worker(cluster, target, prompt, max_tokens=max_tokens, regex=regex)
     assert got[-1].worker_id != victim, "the stream should have moved to the other worker"
     assert tokens_of(got) == want.token_ids
     assert got[-1].finish_reason == want.finish_reason == "length"
