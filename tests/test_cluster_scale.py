@@ -106,6 +106,10 @@ def test_workers_added_while_a_stream_runs_join_routing(cluster: RunningCluster,
     assert {m.worker_id for m in [first, *rest] if m.token_ids} == {"default-0"}
     assert pool_status(cluster.grpc_target).live_workers == 3
     wait_for(lambda: _metric_workers(cluster) == ALL, 30, "metrics of every worker")
+    # A pool that does not autoscale takes the scale's size as its target.
+    status = lambda: pool_status(cluster.grpc_target)  # noqa: E731
+    wait_for(lambda: (status().target_workers, status().scale_reason) == (3, "pagefleet scale"),
+             30, "GetStatus: target 3 by pagefleet scale")  # fmt: skip
 
 
 def test_a_removed_worker_drains_its_stream_then_leaves_every_view(

@@ -140,6 +140,8 @@ class Membership:
             if pool.worker_bounds()[0] < pool.worker_bounds()[1]
         }
         self._autoscaling: dict[str, asyncio.Task[None]] = {}
+        # The other pools' sizes: the configured one until `pagefleet scale` sets another.
+        self._sizes = {pool.name: (pool.workers, "configured size") for pool in config.pools}
         for pool in config.pools:
             for _ in range(pool.workers):
                 self._create(pool)
@@ -254,7 +256,9 @@ class Membership:
                 victims = serving[workers:][::-1]  # the newest first
                 counts = await asyncio.gather(*(self._remove(pool, m, drain_timeout_s) for m in victims))
                 removed, failed_over = [m.worker_id for m in victims], sum(counts)
-            if settle and pool in self._autoscalers:
+            if pool not in self._autoscalers:
+                self._sizes[pool] = (workers, "pagefleet scale")
+            elif settle:
                 self._autoscalers[pool].settle(workers, "pagefleet scale")
             return self._result(pool, added, removed, failed_over)
 
@@ -314,13 +318,9 @@ class Membership:
         out: dict[str, dict[str, Any]] = {}
         for pool, ms in self._members.items():
             scaler = self._autoscalers.get(pool)
-            target = scaler.target if scaler else self._config.pool(pool).workers
+            target, reason = (scaler.target, scaler.reason) if scaler else self._sizes[pool]
             serving = [m for m in ms if not m.draining and m.node_id is not None]
-            out[pool] = {
-                "target": target,
-                "workers": len(serving),
-                "reason": scaler.reason if scaler else "configured size",
-            }
+            out[pool] = {"target": target, "workers": len(serving), "reason": reason}
         return out
 
     async def _autoscale(self) -> None:
