@@ -208,7 +208,10 @@ def test_a_scale_out_that_starts_only_some_workers_removes_the_started_ones_agai
     cluster: RunningCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (kept,) = _workers(cluster)
-    free = ray.available_resources().get("CPU", 0.0)
+    # What the earlier tests' workers and placement groups held comes back a moment after
+    # they go: wait until only the kept worker holds CPU (the other actors ask for none).
+    free = ray.cluster_resources()["CPU"] - CPU_WORKER_NUM_CPUS
+    wait_for(lambda: ray.available_resources().get("CPU", 0.0) == free, 60, f"{free} CPUs free")
     hog = placement_group([{"CPU": free - CPU_WORKER_NUM_CPUS}])  # room for one more worker
     ray.get(hog.ready(), timeout=60)
     try:

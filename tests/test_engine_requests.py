@@ -212,7 +212,7 @@ def test_a_seeded_sampled_request_preempted_by_recompute_draws_the_undisturbed_t
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    assert engine.stats()["preemptions_recompute"] > 0
+    assert engine.stats().preemptions_recompute > 0
     assert done["low"] == undisturbed
     assert_pool_clean(llm)
 

@@ -338,11 +338,19 @@ def signals_blocked(signals: frozenset[signal.Signals]) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+# How Ray says its own start-up ran out of time: the raylet did not register within 30 s, or
+# the GCS did not write its port within `RAY_gcs_server_port_wait_time_s`.
+RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
+# The GCS's port wait (Ray's default 30 s) on a starved machine; an operator's value stands.
+GCS_PORT_WAIT_S = "120"
+
+
 def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
-    """`ray.init` of a local Ray of our own; a start-up that times out (Ray gives its raylet
-    30 s to register, which a starved machine can miss) is stopped and tried again."""
+    """`ray.init` of a local Ray of our own; a start-up that times out (a starved machine can
+    miss Ray's waits for its raylet and its GCS) is stopped and tried again."""
     import psutil
 
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
@@ -353,7 +361,7 @@ def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
             # Its half-started node is not Ray's to stop (ray.init raised before keeping
             # it): end the processes it had started (this driver's new children).
             _kill([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
-            if attempt == attempts or "timed out during startup" not in str(exc):
+            if attempt == attempts or not any(t in str(exc) for t in RAY_START_TIMEOUTS):
                 raise StartError(f"the local Ray did not start: {exc}") from exc
             logger.warning("the local Ray did not start in time (attempt %d of %d); again", attempt, attempts)
 
