@@ -21,6 +21,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
+import yaml
 from cluster_fixtures import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,3 +152,14 @@ def other_ray_head() -> Iterator[str]:
         with suppress(subprocess.TimeoutExpired):
             head.wait(timeout=30)
         kill_session(head.pid)
+
+
+def write_config(path: Path, *, pool: dict[str, object] | None = None, drain_timeout_s: float = 180) -> Path:
+    """A one-pool tiny-model config with its own free ports."""
+    config = {
+        "pools": [{"name": "default", "model": "tiny", "workers": 1, "device": "cpu", **(pool or {})}],
+        "server": {"host": "127.0.0.1", "grpc_port": free_port(), "http_port": free_port(),
+                   "drain_timeout_s": drain_timeout_s},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    return path
