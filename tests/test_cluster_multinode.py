@@ -31,11 +31,12 @@ from cluster_fixtures import (
     wait_for,
     wait_until_no_block_leaked,
 )
+from ray import serve
 from ray._private.state import actors as actors_in_gcs
 from ray._private.state import available_resources_per_node
 from ray_nodes import Node, RayNodes, ray_nodes
 
-from pagefleet.cluster.app import INGRESS_NAME, NAMESPACE, RunningCluster, start_cluster
+from pagefleet.cluster.app import APP_NAME, INGRESS_NAME, NAMESPACE, RunningCluster, start_cluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.membership import Membership, MembershipError
@@ -52,6 +53,7 @@ class Fleet:
     running: RunningCluster
     spare: Node | None = None  # joined for the scale tests: room for one more worker
     lost: str = ""  # the worker the node-loss test lost with its node
+    stopped: bool = False  # the last test stops pagefleet itself
 
     @property
     def target(self) -> str:
@@ -82,10 +84,12 @@ def fleet() -> Iterator[Fleet]:
         shared = [nodes.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]
         nodes.init(NAMESPACE)
         running = start_cluster(fleet_config(), grpc_port=0, metrics_port=None)
+        fleet = Fleet(nodes, acme, shared, running)
         try:
-            yield Fleet(nodes, acme, shared, running)
+            yield fleet
         finally:
-            running.shutdown()
+            if not fleet.stopped:
+                running.shutdown()
 
 
 def _nodes_of(target: str, pool: str) -> dict[str, str]:
@@ -305,3 +309,29 @@ def test_load_grows_the_pool_onto_a_spare_node_and_idleness_shrinks_it_back(flee
     wait_for(lambda: len(pool_status(target).workers) == 2, 120, "the pool back to two workers", 0.5)
     assert spare.node_id not in _nodes_of(target, "default").values()
     wait_until_no_block_leaked(_serving(fleet))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Neighbour:
+    """Another team's Serve app on the same cluster."""
+
+    def __call__(self) -> str:
+        return "still here"
+
+
+def test_stopping_pagefleet_on_a_joined_cluster_leaves_another_serve_app_serving(fleet: Fleet) -> None:
+    # The module's last test: it stops pagefleet.
+    neighbour = serve.run(Neighbour.bind(), name="neighbour", route_prefix=None)
+    assert neighbour.remote().result(timeout_s=60) == "still here"
+    fleet.stopped = True
+    fleet.running.shutdown()
+    apps = serve.status().applications
+    assert APP_NAME not in apps and apps["neighbour"].status == "RUNNING", apps
+    assert neighbour.remote().result(timeout_s=60) == "still here"
+
+    def pagefleet_actors() -> list[str]:
+        alive = [a for a in actors_in_gcs().values() if a["State"] == "ALIVE"]
+        return [a["Name"] for a in alive if a["Name"].startswith("pagefleet")]
+
+    wait_for(lambda: not pagefleet_actors(), 60, "no pagefleet actor left on the cluster", 0.5)
+    serve.delete("neighbour")

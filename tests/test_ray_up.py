@@ -181,6 +181,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 export RAY_agent_register_timeout_ms=120000
 # ... and `ray start` for its raylet to register with the GCS
 export RAY_raylet_start_wait_time_s=120
+# A raylet whose GCS went (`ray down` on the head) exits after this long (60 s by default)
+export RAY_gcs_rpc_server_reconnect_timeout_s=15
 # pip's env form of --no-index, --no-deps and --no-build-isolation (that one reads
 # inverted): the dependencies and the build backend come with the node's Python
 export PIP_NO_INDEX=1 PIP_NO_DEPS=1 PIP_NO_BUILD_ISOLATION=0

@@ -137,7 +137,8 @@ class RunningCluster:
         return f"lost the Ray GCS at {address} ({why})"
 
     def shutdown(self) -> None:
-        """Delete the Serve app, the workers and the scheduler (and Ray, if we started it)."""
+        """Delete the Serve app (and Serve, when no other app runs on it), the workers and the
+        scheduler (and Ray, if we started it)."""
         if self.local_ray:
             # Ray stops every actor with it. Shutting Serve down first only makes the
             # killed controller's pending calls log "ServeController.graceful_shutdown
@@ -148,10 +149,7 @@ class RunningCluster:
             if self.started_ray:
                 ray.shutdown()  # nothing on the cluster can be reached to delete
             return
-        try:
-            serve.shutdown()
-        except Exception:  # shutting down anyway
-            logger.exception("serve shutdown failed")
+        _delete_serve_app(stop_serve_if_idle=True)
         for pool_workers in self.workers.values():
             for _, handle in pool_workers:
                 ray.kill(handle, no_restart=True)
@@ -285,10 +283,14 @@ def abandon_joined_start(timeout_s: float = ABANDON_TIMEOUT_S) -> None:
     deleting.join(timeout_s)
 
 
-def _delete_serve_app() -> None:
-    """Delete this deployment's Serve app and wait until Serve has (no Serve yet: nothing to do)."""
+def _delete_serve_app(*, stop_serve_if_idle: bool = False) -> None:
+    """Delete this deployment's Serve app and wait until Serve has (no Serve yet: nothing to
+    do). `stop_serve_if_idle`: then shut Serve itself down unless other apps run on it (a
+    joined cluster's Serve may carry apps that are not ours)."""
     with contextlib.suppress(Exception):
         serve.delete(APP_NAME)
+        if stop_serve_if_idle and not serve.status().applications:
+            serve.shutdown()
 
 
 # What the head records as its GCS storage (`gcs_watch.gcs_storage`) when a restarted GCS

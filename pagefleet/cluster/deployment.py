@@ -139,8 +139,9 @@ class IngressDeployment:
         stopping = None
         if hand_off:
             stopping = asyncio.ensure_future(self.server.stop(grace=timeout_s + ABORT_GRACE_S + 2.0))
-            # Let the stop begin (GOAWAY, no new calls) before the drain refuses calls here.
-            await asyncio.sleep(0)
+            # Calls gRPC accepted before its stop took effect still reach the handler:
+            # served, not refused (the clients' next calls go to a replica still listening).
+            self.drain.hand_off()
         aborted = await self.drain.wait(timeout_s)
         if self.http is not None:
             await self.http.stop(timeout_s=2.0)

@@ -40,6 +40,8 @@ class Drain:
         self._idle.set()
         self._on_start: list[Callable[[], Awaitable[None]]] = []
         self.draining = False
+        # The gRPC server stops by itself while other replicas serve its port (`hand_off`).
+        self._grpc_stopping = False
 
     def on_start(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Await `callback()` as soon as draining starts (the gRPC health service goes
@@ -66,10 +68,17 @@ class Drain:
         request_id: str = "",
         priority: int = 0,
         session: str = "",
+        grpc: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """`Ingress.submit`, counted in flight; UNAVAILABLE once draining has started."""
+        """`Ingress.submit`, counted in flight; UNAVAILABLE once draining has started.
+
+        `grpc`: the call came through the gRPC server. During a hand-off that server
+        refuses new calls itself (GOAWAY, its clients reconnect to a replica still
+        listening), so a call that reaches the handler was accepted before its stop
+        began: it is served, not refused."""
         request_id = request_id_or_new(request_id)  # the id a timeout aborts
-        with self._track(tenant.name, request_id):
+        refuse = self.draining and not (grpc and self._grpc_stopping)
+        with self._track(tenant.name, request_id, refuse=refuse):
             stream = self._ingress.submit(
                 tenant, target, prompt, params, request_id=request_id, priority=priority,
                 session=session,
@@ -79,8 +88,8 @@ class Drain:
                     yield delta
 
     @contextlib.contextmanager
-    def _track(self, tenant: str, request_id: str) -> Iterator[None]:
-        if self.draining:
+    def _track(self, tenant: str, request_id: str, *, refuse: bool) -> Iterator[None]:
+        if refuse:
             raise Unavailable("the server is shutting down; retry on another replica")
         token = self._next
         self._next += 1
@@ -92,6 +101,10 @@ class Drain:
             del self._active[token]
             if not self._active:
                 self._idle.set()
+
+    def hand_off(self) -> None:
+        """The gRPC server's own stop has begun: from now on it refuses new calls itself."""
+        self._grpc_stopping = True
 
     def start(self) -> None:
         """Stop accepting new requests (idempotent)."""

@@ -147,7 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.send_initial_metadata((("x-pagefleet-replica", self._ingress.replica_id),))
             stream = self._drain.submit(
                 tenant, sub.target, sub.prompt, sub.params,
-                request_id=sub.request_id, priority=sub.priority, session=session,
+                request_id=sub.request_id, priority=sub.priority, session=session, grpc=True,
             )  # fmt: skip
             async for delta in stream:
                 yield delta_to_proto(delta)

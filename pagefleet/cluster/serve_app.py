@@ -19,7 +19,8 @@ It starts what `pagefleet serve` starts, with the ports of the config's
 - `pagefleet-workers` (one replica): starts the scheduler actor(s) and the
   `Membership` actor, which starts the worker actors (the same helpers as
   `start_cluster`), and owns them, so `serve delete` / `serve shutdown` ends
-  them with the application. Its `user_config` may set pool sizes:
+  them with the application (and withdraws an autoscaled pool's request of Ray's
+  autoscaler). Its `user_config` may set pool sizes:
   `{pool_workers: {default: 3}}`; changing it and running `serve deploy`
   again adds or removes workers while serving (Serve calls `reconfigure`, a
   lightweight update that restarts nothing), as `pagefleet scale` does.
@@ -58,6 +59,7 @@ from pagefleet.cluster.membership import (
     MembershipError,
     describe_change,
     start_membership,
+    withdraw_resource_request,
 )
 from pagefleet.cluster.names import HEAD_NODE_RESOURCE, INGRESS_NAME, WORKERS_NAME
 from pagefleet.worker.config import InvalidField
@@ -119,6 +121,15 @@ class WorkerOwner:
                 logger.error("pagefleet-workers: pool %s not brought to %d workers: %s", pool, workers, cause)
                 continue
             logger.warning("pagefleet-workers: %s", describe_change(result))
+
+    def __del__(self) -> None:
+        # Serve stops this replica when the app is deleted (the actors it owns end with it):
+        # an autoscaled pool's standing request of Ray's autoscaler goes too, or it would
+        # keep the nodes launched for the workers up with no worker on them.
+        try:
+            withdraw_resource_request(self.config)
+        except Exception:  # stopping anyway
+            logger.exception("pagefleet-workers: withdrawing the autoscaler request failed")
 
 
 class ServeIngress(IngressDeployment):
