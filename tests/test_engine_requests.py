@@ -6,7 +6,7 @@ import pytest
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.worker.engine import LLMEngine, RequestError
-from pagefleet.worker.sequence import derive_seed
+from pagefleet.worker.seeds import derive_seed
 
 
 def assert_pool_clean(llm: LLM) -> None:

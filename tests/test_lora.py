@@ -22,7 +22,8 @@ from lora_adapters import build_lora_adapter
 from pagefleet import LLM
 from pagefleet.kernels.lora import add_lora_reference, lora_segments
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.lora import LoRAError, LoRASlotTable, adapter_identity, load_adapter
+from pagefleet.worker.lora import LoRAError, LoRASlotTable, load_adapter
+from pagefleet.worker.lora_files import adapter_identity
 from pagefleet.worker.tiny_model import ensure_tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

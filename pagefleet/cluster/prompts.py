@@ -16,7 +16,7 @@ from typing import Any
 
 from pagefleet.cluster.config import PoolConfig
 from pagefleet.cluster.errors import InvalidArgument, Unavailable
-from pagefleet.worker.lora import adapter_identity
+from pagefleet.worker.lora_files import adapter_identity
 from pagefleet.worker.sampling_params import SamplingParams
 
 # Text prompts up to this many characters are tokenized inline (well under a

@@ -42,7 +42,7 @@ from pagefleet.cluster.config import PoolConfig
 from pagefleet.cluster.errors import ErrorCode, IngressError, Internal
 from pagefleet.cluster.metrics import IngressMetrics
 from pagefleet.cluster.worker_slots import WorkerSlot, WorkerSlots
-from pagefleet.worker.sequence import derive_seed
+from pagefleet.worker.seeds import derive_seed
 from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections import Counter, OrderedDict
@@ -35,11 +34,10 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from pagefleet.kernels.lora import LoRASegments, add_lora, lora_segments
+from pagefleet.worker.lora_files import CONFIG_FILE, WEIGHTS_FILE, weights_hash
 
 # Projections of the Llama/Qwen2/Mistral decoder layers a LoRA adapter may target.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY_PREFIX = "base_model.model."
 # adapter_config.json fields that change the forward in ways the slots do not model:
 # any truthy value is refused.
@@ -84,19 +82,6 @@ class LoRAAdapter:
         return f"{self.name}:{self.weights_hash}"
 
 
-def _weights_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def adapter_identity(name: str, path: str | Path) -> str:
-    """The identity `load_adapter(name, path, ...)` gives, from the weights file alone.
-
-    For a router that hashes prompts the way the worker does: the same bytes
-    under the same name always give the same id.
-    """
-    return f"{name}:{_weights_hash((Path(path) / WEIGHTS_FILE).read_bytes())}"
-
-
 def load_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
     """Read and check one PEFT LoRA adapter directory; raises LoRAError on anything unsupported."""
     directory = Path(path)
@@ -133,7 +118,7 @@ def load_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
     except Exception as exc:  # safetensors raises its own error types on a bad file
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {weights_path}: {exc}") from exc
     return LoRAAdapter(
-        name, directory, rank, float(scaling), _weights_hash(data), _pair_weights(name, tensors, rank)
+        name, directory, rank, float(scaling), weights_hash(data), _pair_weights(name, tensors, rank)
     )
 
 
