@@ -1,6 +1,8 @@
-"""Overload: hundreds of concurrent gRPC streams on one small worker with a short wait
+"""Overload: 2,000 concurrent gRPC streams on one small worker with a short wait
 queue. Every stream either completes or is refused with RESOURCE_EXHAUSTED or
-UNAVAILABLE and a reason; none ends CANCELLED (or with any other code, or no message)."""
+UNAVAILABLE and a reason; none ends CANCELLED (or with any other code, or no message).
+gRPC core's own cut of calls the server has not picked up yet (at random past 1,000
+of them) would end about 9% of them CANCELLED."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
-STREAMS = 400
+STREAMS = 2000
 CHANNELS = 8  # clients spread over connections, as many clients are
 REFUSALS = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
