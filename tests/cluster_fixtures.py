@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
+import psutil
 import ray
 
+from pagefleet.cluster.app import RunningCluster, start_cluster
 from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
@@ -139,3 +142,28 @@ def worker_stats(cluster: Any, worker_id: str) -> EngineStats:
     """`LLMEngine.stats()` of one worker of a running cluster."""
     stats: EngineStats = ray.get(cluster.worker_handle(worker_id).stats.remote(), timeout=30)
     return stats
+
+
+@contextmanager
+def local_cluster(config: ClusterConfig, **start: Any) -> Iterator[RunningCluster]:
+    """`start_cluster` on a Ray of its own; after `shutdown()` no process it started is
+    left (the GCS, raylet, agents and every actor's worker are this process's descendants)."""
+    since = time.time()
+    running = start_cluster(config, **start)
+    try:
+        yield running
+    finally:
+        started = [p for p in psutil.Process().children(recursive=True) if p.create_time() >= since - 1]
+        running.shutdown()
+
+        def left() -> list[str]:
+            alive = []
+            for proc in started:
+                try:
+                    if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:80]}")
+                except psutil.NoSuchProcess:
+                    pass
+            return alive
+
+        wait_for(lambda: not left(), 30, f"no process of the cluster left ({left()})", 0.2)

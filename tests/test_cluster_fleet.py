@@ -23,6 +23,7 @@ import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
     generate,
+    local_cluster,
     offline_tiny,
     small_cluster_config,
     tokens_of,
@@ -32,7 +33,7 @@ from cluster_fixtures import (
 )
 
 from pagefleet import LLM, SamplingParams
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
@@ -47,11 +48,8 @@ REPLICA_KEY = "x-pagefleet-replica"
 def cluster() -> Iterator[RunningCluster]:
     base = small_cluster_config()
     config = base.replace(server={"ingress_replicas": 2}, scheduler={"index_check_interval_s": 1.0})
-    running = start_cluster(config, grpc_port=0)
-    try:
+    with local_cluster(config, grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from cluster_fixtures import status
+from cluster_fixtures import local_cluster, status
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagefleet.cluster.app import RunningCluster, _local_gcs_process, start_cluster
+from pagefleet.cluster.app import RunningCluster, _local_gcs_process
 from pagefleet.cluster.config import ClusterConfig, ConfigError
 
 KEY_ACME = "acme-health-key-0123456789"
@@ -42,11 +42,8 @@ def _config() -> ClusterConfig:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(_config())
-    try:
+    with local_cluster(_config()) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.mark.parametrize("key", ["", "   ", "short-key-15chr", " " * 20 + "abc"])

@@ -21,12 +21,12 @@ import grpc
 import httpx
 import pytest
 import ray
-from cluster_fixtures import pool_status, wait_for
+from cluster_fixtures import local_cluster, pool_status, wait_for
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import CommandError
 from pagefleet.cluster.api import IngressError
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.openai.protocol import chat_prompt, parse_request
 from pagefleet.commands.serve import check_port_free, load_config
@@ -331,11 +331,8 @@ def test_serve_refuses_a_busy_http_port_in_one_line() -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(openai_cluster_config())
-    try:
+    with local_cluster(openai_cluster_config()) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.fixture(scope="module")

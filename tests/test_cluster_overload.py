@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from cluster_fixtures import small_cluster_config, wait_until_no_block_leaked
+from cluster_fixtures import local_cluster, small_cluster_config, wait_until_no_block_leaked
 
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
@@ -27,11 +27,8 @@ REFUSALS = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(small_cluster_config(workers=1, wait_queue=4))
-    try:
+    with local_cluster(small_cluster_config(workers=1, wait_queue=4)) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 async def _stream(stub: pb_grpc.GenerationStub, i: int) -> tuple[grpc.StatusCode, str]:

@@ -22,6 +22,7 @@ import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
     generate,
+    local_cluster,
     offline_tiny,
     open_stream,
     pool_status,
@@ -34,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cli import main
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.membership import CPU_WORKER_NUM_CPUS
 from pagefleet.cluster.names import NAMESPACE, worker_actor_name
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
@@ -46,11 +47,8 @@ SAMPLING = {"max_tokens": 60, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(small_cluster_config(workers=1, policy="round_robin"), grpc_port=0)
-    try:
+    with local_cluster(small_cluster_config(workers=1, policy="round_robin"), grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.fixture(scope="module")

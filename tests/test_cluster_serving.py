@@ -21,6 +21,7 @@ import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
     generate,
+    local_cluster,
     offline_tiny,
     open_stream,
     pool_status,
@@ -35,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagefleet import LLM, SamplingParams
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.client import build_request, stream_generate
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.worker.structured_output import StructuredOutput
@@ -51,11 +52,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(small_cluster_config(extra_pools=1, scheduler_shards=2), grpc_port=0)
-    try:
+    with local_cluster(small_cluster_config(extra_pools=1, scheduler_shards=2), grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import ray
-from cluster_fixtures import BLOCK_SIZE, pool_status, stub, wait_for
+from cluster_fixtures import BLOCK_SIZE, local_cluster, pool_status, stub, wait_for
 
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.client import auth_metadata, build_request
 from pagefleet.cluster.config import ClusterConfig
 
@@ -61,11 +61,8 @@ def _config() -> ClusterConfig:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
-    running = start_cluster(_config(), grpc_port=0)
-    try:
+    with local_cluster(_config(), grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 def _run(target: str, api_key: str, prompt: str, max_tokens: int) -> str:

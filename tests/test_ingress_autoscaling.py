@@ -17,6 +17,7 @@ import pytest
 import ray
 from cluster_fixtures import (
     MAX_MODEL_LEN,
+    local_cluster,
     offline_tiny,
     small_cluster_config,
     tokens_of,
@@ -28,7 +29,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from pagefleet import SamplingParams
-from pagefleet.cluster.app import APP_NAME, INGRESS_NAME, RunningCluster, start_cluster
+from pagefleet.cluster.app import APP_NAME, INGRESS_NAME, RunningCluster
 from pagefleet.cluster.autoscaling import STREAMS_METRIC, StreamsPolicy, ingress_replica_options
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.config import ClusterConfig, ConfigError
@@ -82,11 +83,8 @@ def cluster() -> Iterator[RunningCluster]:
         # The streams wait on a stopped worker: they must stay, not move.
         scheduler={"stall_timeout_s": 600.0},
     )  # fmt: skip
-    running = start_cluster(config, grpc_port=0)
-    try:
+    with local_cluster(config, grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 def _running_replicas() -> int:

@@ -19,10 +19,15 @@ import httpx
 import openai
 import pytest
 import ray
-from cluster_fixtures import small_cluster_config, wait_for, wait_until_no_block_leaked
+from cluster_fixtures import (
+    local_cluster,
+    small_cluster_config,
+    wait_for,
+    wait_until_no_block_leaked,
+)
 
 from pagefleet.cluster.api import MAX_SESSION_ID_CHARS
-from pagefleet.cluster.app import RunningCluster, start_cluster
+from pagefleet.cluster.app import RunningCluster
 from pagefleet.cluster.client import build_request
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
@@ -38,11 +43,8 @@ BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "session.py"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RunningCluster]:
     config = small_cluster_config(workers=2).replace(server={"ingress_replicas": 2, "http_port": 0})
-    running = start_cluster(config, grpc_port=0)
-    try:
+    with local_cluster(config, grpc_port=0) as running:
         yield running
-    finally:
-        running.shutdown()
 
 
 @pytest.fixture(autouse=True)
