@@ -10,7 +10,6 @@ after every test no block is leaked on any worker.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import signal
 import time
@@ -31,6 +30,7 @@ from cluster_fixtures import (
     wait_until_no_block_leaked,
     worker_stats,
 )
+from replica_streams import REPLICA_KEY, Stream, replicas_reached, stream_on
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.cluster.app import RunningCluster
@@ -41,7 +41,6 @@ from pagefleet.worker.engine import EngineStats
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPLICA_KEY = "x-pagefleet-replica"
 
 
 @pytest.fixture(scope="module")
@@ -69,41 +68,6 @@ def nothing_leaked(cluster: RunningCluster) -> Iterator[None]:
     wait_until_no_block_leaked(cluster.workers["default"])
 
 
-class Stream:
-    """A Generate call on a fresh connection: which replica took it, and its messages."""
-
-    def __init__(self, target: str, prompt: str | list[int], **sampling: Any) -> None:
-        # A local subchannel pool: a new TCP connection per stream, which the kernel
-        # hands to one of the replicas listening on the port.
-        self.channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-        s = pb_grpc.GenerationStub(self.channel)
-        self.call = s.Generate(build_request(prompt, sampling), timeout=120)
-        self.replica = dict(self.call.initial_metadata())[REPLICA_KEY]
-        self.messages: list[pb.GenerateResponse] = []
-
-    def first_token(self) -> pb.GenerateResponse:
-        while not self.messages or not self.messages[-1].token_ids:
-            self.messages.append(next(self.call))
-        return self.messages[-1]
-
-    def rest(self) -> list[pb.GenerateResponse]:
-        self.messages += list(self.call)
-        self.channel.close()
-        return self.messages
-
-
-def _stream_on(target: str, replica: str | None, prompt: str, *, avoid: bool = False, **sampling: Any) -> Stream:
-    """A stream served by `replica` (or, with `avoid`, by any other); new connections
-    until the kernel hands one to it."""
-    for _ in range(60):
-        stream = Stream(target, prompt, **sampling)
-        if replica is None or (stream.replica == replica) != avoid:
-            return stream
-        stream.call.cancel()
-        stream.channel.close()
-    raise AssertionError(f"60 connections and none reached the wanted replica ({replica}, avoid={avoid})")
-
-
 def _pid(replica_id: str) -> int:
     return int(replica_id.split("-", 1)[0])
 
@@ -129,7 +93,7 @@ def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
         wid: len(ray.get(cluster.scheduler.cached_hashes.remote(wid), timeout=30))
         for wid, _ in cluster.workers["default"]
     }
-    first = _stream_on(target, None, f"{prefix} question 0?", max_tokens=2)
+    first = stream_on(target, None, f"{prefix} question 0?", max_tokens=2)
     done = first.rest()
     assert done[-1].usage.cached_tokens == 0
     worker = done[-1].worker_id
@@ -141,7 +105,7 @@ def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(
         30, "the prompt's blocks in the scheduler's index", 0.1,
     )
     time.sleep(1.0)
-    other = _stream_on(target, first.replica, f"{prefix} question 1?", avoid=True, max_tokens=2)
+    other = stream_on(target, first.replica, f"{prefix} question 1?", avoid=True, max_tokens=2)
     second = other.rest()
     assert other.replica != first.replica
     assert second[-1].worker_id == done[-1].worker_id
@@ -331,9 +295,9 @@ def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
     cluster: RunningCluster, target: str, offline: LLM
 ) -> None:
     sampling, want = _long(offline, "The surviving replica streams this")
-    doomed = _stream_on(target, None, "This stream dies with its replica", **sampling)
+    doomed = stream_on(target, None, "This stream dies with its replica", **sampling)
     doomed.first_token()
-    survivor = _stream_on(target, doomed.replica, "The surviving replica streams this", avoid=True, **sampling)
+    survivor = stream_on(target, doomed.replica, "The surviving replica streams this", avoid=True, **sampling)
     survivor.first_token()
     os.kill(_pid(doomed.replica), signal.SIGKILL)
     got = survivor.rest()
@@ -342,17 +306,7 @@ def test_killed_ingress_replica_loses_only_its_streams_and_theirs_are_aborted(
         doomed.rest()
     # The workers abort the dead replica's requests (autouse check), and Serve
     # restarts the replica: fresh connections reach two replicas again.
-    wait_for(lambda: _replicas_reached(target) == 2, 120, "two live replicas after Serve restarted one", 1.0)
-
-
-def _replicas_reached(target: str) -> int:
-    replicas = set()
-    for _ in range(8):
-        with contextlib.suppress(grpc.RpcError):  # a connection to a dying replica
-            s = Stream(target, "hello", max_tokens=1)
-            s.rest()
-            replicas.add(s.replica)
-    return len(replicas)
+    wait_for(lambda: replicas_reached(target) == 2, 120, "two live replicas after Serve restarted one", 1.0)
 
 
 def test_killed_scheduler_leaves_streams_intact_and_the_view_rebuilds(
@@ -360,7 +314,7 @@ def test_killed_scheduler_leaves_streams_intact_and_the_view_rebuilds(
 ) -> None:
     sampling, want = _long(offline, "The scheduler dies while this streams")
     streams = [
-        _stream_on(target, None, "The scheduler dies while this streams", **sampling)
+        stream_on(target, None, "The scheduler dies while this streams", **sampling)
         for _ in range(2)
     ]
     for s in streams:
@@ -392,8 +346,8 @@ def test_a_replica_scaled_down_hands_its_clients_to_the_other_while_its_streams_
 ) -> None:
     prompt = "One of two drains now"
     sampling, want = _long(offline, prompt)
-    first = _stream_on(target, None, prompt, **sampling)
-    second = _stream_on(target, first.replica, prompt, avoid=True, **sampling)
+    first = stream_on(target, None, prompt, **sampling)
+    second = stream_on(target, first.replica, prompt, avoid=True, **sampling)
     for s in (first, second):
         s.first_token()
     # As Serve stops a replica it scales down (`__del__`); Serve picks which one.
