@@ -141,3 +141,43 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer) -> None:  # t
     assert not detok.stopped
     assert streamed == "hello "  # "world" could still become "world peace"
     assert streamed + detok.take_delta(final=True) == "hello world"
+
+
+def _streamed_with_a_resumption_at(tokenizer, ids: list[int], k: int, stop: tuple[str, ...]) -> str:  # type: ignore[no-untyped-def]
+    """What a client receives when the first attempt streams `ids[:k]` and dies, and the
+    request resumes elsewhere with those tokens at the end of its prompt."""
+    prompt = tokenizer.encode("Hi")
+    first = IncrementalDetokenizer(tokenizer, prompt, stop)
+    streamed = ""
+    for token in ids[:k]:
+        stopped = first.add_token(token)
+        streamed += first.take_delta(final=stopped)
+        if stopped:
+            return streamed
+    resumed = IncrementalDetokenizer(tokenizer, prompt, stop, resumed_token_ids=ids[:k])
+    for token in ids[k:]:
+        stopped = resumed.add_token(token)
+        streamed += resumed.take_delta(final=stopped)
+        if stopped:
+            return streamed
+    return streamed + resumed.take_delta(final=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("The café served crème brûlée — naïve 猫 emoji 🙂 done.", ()),
+        ("alpha beta STOP gamma", ("STOP",)),
+        ("hello world peace and quiet", ("world peace",)),
+    ],
+)
+def test_a_resumed_stream_continues_the_text_exactly_at_every_resumption_point(
+    tokenizer, text: str, stop: tuple[str, ...]  # type: ignore[no-untyped-def]
+) -> None:
+    # Held-back text (a partial character, what may begin a stop string) reaches the
+    # client after the resumption, and a stop string straddling it still matches.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    no_fault = _streamed_with_a_resumption_at(tokenizer, ids, len(ids), stop)
+    assert not stop or stop[0] not in no_fault
+    for k in range(len(ids)):
+        assert _streamed_with_a_resumption_at(tokenizer, ids, k, stop) == no_fault, k

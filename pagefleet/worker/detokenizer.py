@@ -20,7 +20,18 @@ PROMPT_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns generated token ids into text, one token at a time, and spots stop strings."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        resumed_token_ids: Sequence[int] = (),
+    ) -> None:
+        """`resumed_token_ids`: output an earlier attempt of the request streamed (a request
+        resumed on another worker). They are replayed as output, handing out their text as
+        that attempt did, so `take_delta` goes on from exactly the text the client has:
+        text held back then (a partial character, or what may begin a stop string) comes
+        now, and a stop string that straddles the resumption still matches."""
         self._tokenizer = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -30,6 +41,9 @@ class IncrementalDetokenizer:
         self.text = ""  # generated text so far, cut before a matched stop string
         self.stopped = False  # a stop string matched
         self._emitted = 0  # characters of `text` already handed out
+        for token_id in resumed_token_ids:
+            self.add_token(token_id)
+            self.take_delta()
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))

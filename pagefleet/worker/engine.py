@@ -206,7 +206,7 @@ class LLMEngine:
             adapter_id=adapter_id,
             num_resumed_tokens=num_resumed_tokens,
         )
-        seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(prompt_ids, params))
+        seq = Sequence(request, 0, list(prompt_ids), self._detokenizer(request))
         seq.matcher = matcher
         request.sequences.append(seq)
         self.requests[request_id] = request
@@ -289,12 +289,14 @@ class LLMEngine:
                 f"{blocks} KV blocks of {bs} tokens, but the tenant's max_live_blocks is {cap}"
             )
 
-    def _detokenizer(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        ids = request.prompt_token_ids
+        prompt_end = len(ids) - request.num_resumed_tokens
+        return IncrementalDetokenizer(
+            self.tokenizer, ids[:prompt_end], request.params.stop, resumed_token_ids=ids[prompt_end:]
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or done.
@@ -489,7 +491,7 @@ class LLMEngine:
         request = parent.request
         child = Sequence(
             request, index, list(parent.token_ids),
-            self._detokenizer(request.prompt_token_ids, request.params),
+            self._detokenizer(request),
         )
         assert parent.table is not None
         child.table = parent.table.fork()  # shares every block; the last one copy-on-write
