@@ -26,7 +26,8 @@ sending the same requests in the same order:
 Printed per row: prefix hit rate (cached prompt tokens over prompt tokens, from the
 responses' usage) and its share of the ideal of one shared cache, adapter loads
 into slots and evictions from them (summed over the workers' engine counters),
-TTFT p50/p90, output tokens/s and the busiest worker's share of the requests; then
+TTFT p50/p90, output tokens/s, the busiest worker's share of the requests and the
+host's load average as the row ended (the rows run one after the other); then
 the hit rate, loads, evictions and TTFT p50/p90 as ratios to adapter-blind's.
 
     python benchmarks/lora_routing.py           # 3 workers x 2 slots, 6 adapters, 2 hot
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import tempfile
@@ -77,6 +79,7 @@ class Row:
     ttft_p90: float
     tokens_per_s: float
     busiest: float  # the share of the requests that the busiest worker served
+    load: float  # the host's 1-minute load average when the row ended (rows run in turn)
 
 
 def adapter_names(count: int) -> list[str]:
@@ -130,6 +133,7 @@ async def measure(
         ttft_p90=routing.percentile(ttfts, 0.9),
         tokens_per_s=sum(r[3] for r in results) / wall,
         busiest=max(Counter(r[4] for r in results).values()) / len(results),
+        load=os.getloadavg()[0],
     )
 
 
@@ -143,7 +147,7 @@ def format_table(rows: Sequence[Row]) -> str:
     """One line per row; the ratio columns divide each row's figure by adapter-blind's."""
     header = (
         "| policy | hit rate | of ideal | adapter loads | evictions | TTFT p50 | TTFT p90 | tok/s "
-        "| busiest worker "
+        "| busiest worker | load "
         "| hit vs blind | loads vs blind | evictions vs blind | p50 vs blind | p90 vs blind |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
@@ -152,7 +156,7 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.label} | {100 * r.hit_rate:.1f}% | {100 * r.hit_rate / r.ideal_hit_rate:.1f}% "
             f"| {r.adapter_loads} | {r.adapter_evictions} | {1000 * r.ttft_p50:.0f} ms "
-            f"| {1000 * r.ttft_p90:.0f} ms | {r.tokens_per_s:.1f} | {100 * r.busiest:.0f}% "
+            f"| {1000 * r.ttft_p90:.0f} ms | {r.tokens_per_s:.1f} | {100 * r.busiest:.0f}% | {r.load:.1f} "
             f"| {_ratio(r.hit_rate, blind.hit_rate)} | {_ratio(r.adapter_loads, blind.adapter_loads)} "
             f"| {_ratio(r.adapter_evictions, blind.adapter_evictions)} "
             f"| {_ratio(r.ttft_p50, blind.ttft_p50)} | {_ratio(r.ttft_p90, blind.ttft_p90)} |"
