@@ -38,8 +38,10 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import ray
@@ -49,6 +51,9 @@ from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.proto import pagefleet_pb2 as pb
 from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 from pagefleet.scheduler.actor import SCHEDULER_NAME
+
+if TYPE_CHECKING:
+    from pagefleet.worker.engine import EngineStats
 
 BLOCK_SIZE = 16
 POLICIES = ("prefix_affinity", "round_robin", "least_loaded")
@@ -81,29 +86,36 @@ class Result:
     share_routes: bool = True  # replicas tell each other their decisions (moot with one)
 
 
+# What `one_request` returns: TTFT seconds, prompt, cached and completion tokens, worker id.
+Answer = tuple[float, int, int, int, str]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def build_prompts(
-    tokenizer: object, workload: Workload, run: str, seed: int = 0
-) -> list[tuple[list[int], int]]:
-    """(prompt token ids, ideal cached tokens) per request, groups mixed in a fixed random order."""
+def group_prefixes(tokenizer: object, groups: int, prefix_tokens: int, run: str) -> list[list[int]]:
+    """One shared system prompt of `prefix_tokens` tokens per group, from the tiny corpus."""
     from pagefleet.worker.tiny_model import corpus_text
 
     words = corpus_text().split()
     encode = tokenizer.encode  # type: ignore[attr-defined]
     prefixes = []
-    for g in range(workload.groups):
+    for g in range(groups):
         # A distinct opening per (run, group) so hashes differ from the first block on.
         start = (g * 97 + len(run) * 31) % max(1, len(words) - 400)
         text = f"[{run} system {g}] " + " ".join(words[start : start + 400])
-        prefixes.append(encode(text)[: workload.prefix_tokens])
-    order = [(g, i) for i in range(workload.per_group) for g in range(workload.groups)]
-    # A fixed shuffle: a regular interleave would let round robin land every request
-    # of a group on the same worker whenever the worker count divides the group count.
-    random.Random(seed).shuffle(order)
+        prefixes.append(encode(text)[:prefix_tokens])
+    return prefixes
+
+
+def requests_in_order(
+    tokenizer: object, prefixes: Sequence[list[int]], order: Sequence[tuple[int, int]]
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, ideal cached tokens) per (group, index) of `order`: the group's
+    prefix and a short unique question."""
+    encode = tokenizer.encode  # type: ignore[attr-defined]
     prompts = []
     seen: set[int] = set()
     for g, i in order:
@@ -116,16 +128,30 @@ def build_prompts(
     return prompts
 
 
+def build_prompts(
+    tokenizer: object, workload: Workload, run: str, seed: int = 0
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, ideal cached tokens) per request, groups mixed in a fixed random order."""
+    prefixes = group_prefixes(tokenizer, workload.groups, workload.prefix_tokens, run)
+    order = [(g, i) for i in range(workload.per_group) for g in range(workload.groups)]
+    # A fixed shuffle: a regular interleave would let round robin land every request
+    # of a group on the same worker whenever the worker count divides the group count.
+    random.Random(seed).shuffle(order)
+    return requests_in_order(tokenizer, prefixes, order)
+
+
 async def one_request(
-    stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int
-) -> tuple[float, int, int, int]:
-    """(TTFT seconds, prompt tokens, cached tokens, completion tokens) of one streamed request."""
+    stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int, adapter: str = ""
+) -> Answer:
+    """(TTFT seconds, prompt tokens, cached tokens, completion tokens, worker id) of one
+    streamed request, on the pool's LoRA `adapter` ("": the base model)."""
     start = time.perf_counter()
     ttft = None
     last = None
     request = pb.GenerateRequest(
         prompt_token_ids=prompt,
         sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        adapter=adapter,
     )
     async for msg in stub.Generate(request, timeout=600):
         if ttft is None and msg.token_ids:
@@ -137,6 +163,7 @@ async def one_request(
         last.usage.prompt_tokens,
         last.usage.cached_tokens,
         last.usage.completion_tokens,
+        last.worker_id,
     )
 
 
@@ -175,14 +202,19 @@ async def set_policy(cluster: RunningCluster, channels: list[grpc.aio.Channel], 
 
 
 async def run_policy(
-    channels: list[grpc.aio.Channel], prompts: list[tuple[list[int], int]], workload: Workload
-) -> tuple[list[tuple[float, int, int, int]], float]:
+    channels: list[grpc.aio.Channel], prompts: list[tuple[list[int], int]], workload: Workload,
+    adapters: Sequence[str] = (),
+) -> tuple[list[Answer], float]:  # fmt: skip
+    """Send `prompts` open loop (request i on `adapters[i]`, if given) and return each one's
+    `one_request` tuple and the wall seconds of the whole run."""
     stubs = [pb_grpc.GenerationStub(c) for c in channels]
     tasks = []
     start = time.perf_counter()
     for i, (prompt, _) in enumerate(prompts):
+        adapter = adapters[i] if adapters else ""
         # Arrivals go to the replicas in turn, as a load balancer in front would spread them.
-        tasks.append(asyncio.create_task(one_request(stubs[i % len(stubs)], prompt, workload.max_tokens)))
+        stub = stubs[i % len(stubs)]
+        tasks.append(asyncio.create_task(one_request(stub, prompt, workload.max_tokens, adapter)))
         await asyncio.sleep(workload.interval_s)
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - start
@@ -204,11 +236,56 @@ def wait_until_gone(config: ClusterConfig, timeout_s: float = 120.0) -> None:
             time.sleep(0.5)
 
 
+@contextmanager
+def shared_ray(workers: int, several: bool) -> Iterator[None]:
+    """One Ray for every cluster of a run of `several`; with one, `start_cluster` starts its own.
+
+    Starting Ray again in this process after a shutdown times out on a loaded machine,
+    and each start costs tens of seconds.
+    """
+    if not several:
+        yield
+        return
+    ray.init(address="local", namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, workers),
+             include_dashboard=False)  # fmt: skip
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def one_cluster(config: ClusterConfig, several: bool) -> Iterator[RunningCluster]:
+    """A cluster on `config` (gRPC on a free port, no metrics server), shut down after; with
+    `several`, also gone from the shared Ray before the next one starts."""
+    cluster = start_cluster(config, grpc_port=0, metrics_port=None)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        if several:
+            wait_until_gone(config)
+
+
+def worker_stats(cluster: RunningCluster) -> list[EngineStats]:
+    """Every worker's engine counters (`WorkerActor.stats`)."""
+    handles = [h for pool in cluster.workers.values() for _, h in pool]
+    return list(ray.get([h.stats.remote() for h in handles]))
+
+
 def worker_evictions(cluster: RunningCluster) -> tuple[int, int]:
     """(evictions, of them blocks duplicated elsewhere) summed over the cluster's workers."""
-    handles = [h for pool in cluster.workers.values() for _, h in pool]
-    stats = ray.get([h.stats.remote() for h in handles])
+    stats = worker_stats(cluster)
     return sum(int(s.evictions) for s in stats), sum(int(s.duplicate_evictions) for s in stats)
+
+
+def hit_rates(
+    results: Sequence[Answer], prompts: Sequence[tuple[list[int], int]]
+) -> tuple[float, float]:
+    """(prefix hit rate, ideal hit rate): cached prompt tokens over prompt tokens, from the
+    responses' usage, and what one shared cache would have hit (`requests_in_order`)."""
+    prompt_tokens = sum(r[1] for r in results)
+    return sum(r[2] for r in results) / prompt_tokens, sum(i for _, i in prompts) / prompt_tokens
 
 
 async def measure_cluster(
@@ -225,13 +302,13 @@ async def measure_cluster(
             before = worker_evictions(cluster)
             results, wall = await run_policy(channels, prompts, workload)
             after = worker_evictions(cluster)
-            prompt_tokens = sum(r[1] for r in results)
+            hit_rate, ideal_hit_rate = hit_rates(results, prompts)
             ttfts = [r[0] for r in results]
             out.append(
                 Result(
                     policy=policy,
-                    hit_rate=sum(r[2] for r in results) / prompt_tokens,
-                    ideal_hit_rate=sum(ideal for _, ideal in prompts) / prompt_tokens,
+                    hit_rate=hit_rate,
+                    ideal_hit_rate=ideal_hit_rate,
                     ttft_p50=percentile(ttfts, 0.5),
                     ttft_p99=percentile(ttfts, 0.99),
                     tokens_per_s=sum(r[3] for r in results) / wall,
@@ -251,8 +328,11 @@ async def measure_cluster(
 
 def cluster_config(
     workers: int, num_kv_blocks: int, max_num_seqs: int, replicas: int = 1, replica_aware: bool = True,
-    share_routes: bool = True,
+    share_routes: bool = True, pool: Mapping[str, object] | None = None,
+    router: Mapping[str, object] | None = None,
 ) -> ClusterConfig:  # fmt: skip
+    """One CPU pool `bench` of tiny-model workers; `pool` and `router` add or override keys
+    of the pool's and the router's sections."""
     return ClusterConfig.from_dict(
         {
             "pools": [
@@ -265,11 +345,12 @@ def cluster_config(
                     "max_num_seqs": max_num_seqs,
                     "max_model_len": 1024,
                     "device": "cpu",
+                    **(pool or {}),
                 }
             ],
             "server": {"host": "127.0.0.1", "grpc_port": 0, "http_port": None, "ingress_replicas": replicas},
             "scheduler": {"replica_aware_eviction": replica_aware},
-            "router": {"share_routes": share_routes},
+            "router": {"share_routes": share_routes, **(router or {})},
         }
     )
 
@@ -358,29 +439,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = load_tokenizer("tiny")
     results: list[Result] = []
     several = len(runs) > 1
-    if several:
-        # One Ray for every cluster: starting Ray again in this process after a shutdown
-        # times out on a loaded machine, and each start costs tens of seconds.
-        ray.init(address="local", namespace=NAMESPACE, num_cpus=max(os.cpu_count() or 1, args.workers), include_dashboard=False)
-    try:
+    with shared_ray(args.workers, several):
         for mode, replicas, share in runs:
             config = cluster_config(
                 args.workers, args.num_kv_blocks, args.max_num_seqs, replicas, EVICTION_MODES[mode], share
             )
-            cluster = start_cluster(config, grpc_port=0, metrics_port=None)
-            try:
+            with one_cluster(config, several) as cluster:
                 results += asyncio.run(
                     measure_cluster(cluster, tokenizer, policies, workload, replicas, mode, share)
                 )
-            finally:
-                cluster.shutdown()
-                if several:
-                    wait_until_gone(config)
             if several:
                 print(format_table(results), flush=True)  # so far: a long run shows progress
-    finally:
-        if several:
-            ray.shutdown()
     print(format_table(results))
     return 0
 
