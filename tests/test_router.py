@@ -493,6 +493,22 @@ def test_a_slot_this_router_just_filled_is_not_free_for_the_next_cold_adapter() 
     assert router.route_hashes("chat", second, adapter="g").worker_id == "w0"
 
 
+def test_a_worker_holds_no_more_adapters_than_its_slots_by_the_routers_account() -> None:
+    router, _ = make_router(2, w_adapter_load=8.0, w_load=0.25, speculative_ttl_s=2.0)
+    slots_report(router, "w0", ("a", "b"))
+    slots_report(router, "w1", (), live=20)
+    # "c" and "d" go to w0, where their prompts are cached: loading them there evicts
+    # "a" and "b", though no report has said so yet.
+    for name, start in (("c", 40), ("d", 90)):
+        hashes = hash_token_blocks(list(range(start, start + 4 * BS)), BS, adapter_id=f"{name}:0")
+        store(router, "w0", hashes)
+        assert router.route_hashes("chat", hashes, adapter=name).worker_id == "w0"
+    # So "a" is a load wherever it goes, and w1 has free slots: there it costs one load
+    # and no eviction.
+    hashes = hash_token_blocks(list(range(200, 200 + BS)), BS, adapter_id="a:0")
+    assert router.route_hashes("chat", hashes, adapter="a").worker_id == "w1"
+
+
 # ----- session affinity ---------------------------------------------------------------
 
 S1 = ("acme", "s1")  # (tenant, session id)

@@ -13,7 +13,8 @@ and picks the lowest
 
 A worker holds an adapter when its last load report lists it in a device
 slot, or when this router sent it a request on that adapter within
-`speculative_ttl_s` (it is loading it): a hot adapter's requests gather on
+`speculative_ttl_s` (it is loading it), never more adapters than its slots
+(the most recently sent first): a hot adapter's requests gather on
 the workers that hold it. A cold one goes where loading it costs least, and
 preferably where a slot is free (`LoadReport.lora_free_slots`, less the
 adapters this router sent there since): an eviction costs a second load, the
@@ -120,24 +121,34 @@ class _Worker:
         self.pending_blocks = 0
         self.routed_adapters: dict[str, float] = {}  # adapter -> expiry, from our own routing
 
-    def holds_adapter(self, adapter: str, now: float) -> bool:
-        if self.report is not None and adapter in self.report.resident_adapters:
-            return True
-        return self.routed_adapters.get(adapter, 0.0) > now
+    def held_adapters(self, now: float) -> list[str]:
+        """The adapters this worker holds by this router's account: those it sent here
+        within `speculative_ttl_s` (newest first: the worker is loading them), then those
+        its last report lists; no more than its slots, since each load past them
+        evicted the least recently used (stale reports under load would otherwise make
+        a worker look as if it held every adapter routed to it lately)."""
+        routed = sorted(
+            ((expiry, name) for name, expiry in self.routed_adapters.items() if expiry > now),
+            reverse=True,
+        )
+        held = [name for _, name in routed]
+        report = self.report
+        if report is not None:
+            held += [name for name in report.resident_adapters if name not in held]
+            if report.lora_slots > 0:
+                del held[report.lora_slots :]
+        return held
 
     def adapter_cost(self, adapter: str, now: float, w_adapter_load: float) -> float:
-        """What serving `adapter` here adds: nothing where it is resident, a load where a
+        """What serving `adapter` here adds: nothing where it is held, a load where a
         slot is free (or the slots are not reported yet), two where one must be evicted."""
-        if self.holds_adapter(adapter, now):
+        held = self.held_adapters(now)
+        if adapter in held:
             return 0.0
         report = self.report
         if report is None or report.lora_slots == 0:
             return w_adapter_load
-        incoming = sum(
-            1 for name, expiry in self.routed_adapters.items()
-            if expiry > now and name not in report.resident_adapters
-        )  # fmt: skip
-        return w_adapter_load * (1 if report.lora_free_slots > incoming else 2)
+        return w_adapter_load * (1 if len(held) < report.lora_slots else 2)
 
     def load(self) -> int:
         live = self.report.live_blocks if self.report is not None else 0
