@@ -6,7 +6,7 @@
   alpha patterns, a rank above `max_lora_rank`, a module outside q/k/v/o and
   the MLP projections) with an error naming the adapter and the limit.
   Its identity, `name:<blake2b of the weights file>`, is the `adapter_id` of
-  the prefix-cache hashes (`adapter_identity` computes it without loading).
+  the prefix-cache hashes (`lora_files.adapter_identity` computes it without loading).
 - `LoRASlotTable` is the per-worker table of `max_loras` device slots: an
   adapter is placed on first use, the least recently used one not in use is
   evicted when the table is full, and an adapter a running request uses is
