@@ -12,12 +12,14 @@ Methods, each over every layer's projections on the same inputs:
 - `fused`: `F.linear` with q/k/v in one weight and gate/up in one (4 GEMMs a layer);
 - `mkl packed`: the fused weights prepacked for MKL's sgemm
   (`torch.ops.mkl._mkl_reorder_linear_weight` + `torch.ops.mkl._mkl_linear`,
-  what inductor emits for float32 with weight prepacking on); packed for one
-  M, and torch falls back to plain F.linear at any other M;
+  what inductor emits for float32 with weight prepacking on) through
+  pagefleet's own `PackedLinear`, packed once for `PACK_ROWS` (2,048) rows
+  and run at every M, as the engine runs them; and packed for the M of the
+  row itself (what inductor does for a static shape);
 - `onednn packed`: the fused weights reordered for oneDNN
   (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`),
-  vLLM's CPU path for float32 (its own handle on the same library); one
-  packing serves every M.
+  vLLM's CPU path for float32 (its own handle on the same library), reordered
+  once for any M.
 
 Each row: median wall ms per pass over all layers (interleaved rounds,
 `--rounds`), the ratio against `plain` in the same process, and whether every
@@ -35,8 +37,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _engine_bench as common
 import torch
 import torch.nn.functional as F
+
+from pagefleet.worker.cpu_linear import PACK_ROWS, PackedLinear
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
 Q, KV = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -108,20 +113,28 @@ def fused(layers: list[Layer]) -> Method:
     return run
 
 
-def mkl_packed(layers: list[Layer], rows: int) -> Method:
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight
+    return layer
+
+
+def mkl_packed(layers: list[Layer], rows: int | None) -> Method:
+    """pagefleet's `PackedLinear` (packed for `PACK_ROWS`), or packed for exactly `rows`."""
     mkl = torch.ops.mkl
-    packed = [
-        tuple((mkl._mkl_reorder_linear_weight(w, rows), w) for w in ws)
-        for ws in fused_weights(layers)
-    ]
+
+    def packed(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        if rows is None:
+            return PackedLinear(_linear(w))
+        pack = mkl._mkl_reorder_linear_weight(w, rows)
+        return lambda x: mkl._mkl_linear(x, pack, w, None, rows)
+
+    modules = [tuple(packed(w) for w in ws) for ws in fused_weights(layers)]
 
     def run(x: torch.Tensor, xo: torch.Tensor, xd: torch.Tensor) -> Outputs:
         first: Outputs = {}
-        for i, ((qkv, qkv_w), (o, o_w), (gu, gu_w), (down, down_w)) in enumerate(packed):
-            outs = (mkl._mkl_linear(x, qkv, qkv_w, None, rows),
-                    mkl._mkl_linear(x, gu, gu_w, None, rows),
-                    mkl._mkl_linear(xo, o, o_w, None, rows),
-                    mkl._mkl_linear(xd, down, down_w, None, rows))
+        for i, (qkv, o, gu, down) in enumerate(modules):
+            outs = (qkv(x), gu(x), o(xo), down(xd))
             if i == 0:
                 first = _split(*outs)
         return first
@@ -147,11 +160,11 @@ def onednn_packed(layers: list[Layer], rows: int | None) -> Method:
 
 def head_methods(rows: int, gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w = torch.randn(VOCAB, HIDDEN, generator=gen) * HIDDEN**-0.5
-    mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-    dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    mkl = PackedLinear(_linear(w))
+    dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, None)
     return {
         "plain": lambda x: F.linear(x, w),
-        "mkl packed": lambda x: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, rows),
+        f"mkl packed for {PACK_ROWS} rows (pagefleet's)": mkl,
         "onednn packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, dnn_w, None, "none", [], ""),
     }
 
@@ -188,8 +201,6 @@ def main() -> None:
         args.layers, args.rows, args.rounds = 2, [8, 64], 3
     if args.threads:
         torch.set_num_threads(args.threads)
-    import _engine_bench as common
-
     print(f"SmolLM2 projections, float32, {args.layers} layers, {torch.get_num_threads()} torch "
           f"threads, {args.rounds} rounds; load average at start: "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
@@ -203,9 +214,9 @@ def main() -> None:
         methods = {
             "plain F.linear": plain(layers),
             "fused q/k/v, gate/up (F.linear)": fused(layers),
-            f"mkl packed (fused, packed for M={rows})": mkl_packed(layers, rows),
-            f"onednn packed (fused, packed for M={rows})": onednn_packed(layers, rows),
-            "onednn packed (fused, packed for any M)": onednn_packed(layers, None),
+            f"mkl packed for {PACK_ROWS} rows (fused; pagefleet's)": mkl_packed(layers, None),
+            f"mkl packed for M={rows} (fused)": mkl_packed(layers, rows),
+            "onednn packed (fused)": onednn_packed(layers, None),
         }
         ref = methods["plain F.linear"](x, xo, xd)
         same = {name: compare(ref, fn(x, xo, xd)) for name, fn in methods.items()}
