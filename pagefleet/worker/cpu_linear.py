@@ -30,8 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagefleet.worker.lora import LoRALinear
-
 # The HF attention and MLP classes whose forward the fused modules reproduce: the
 # same q/k/v -> RoPE -> attention -> o and down(act(gate) * up) in all three families.
 _ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
@@ -198,20 +196,19 @@ def _plain(module: Any) -> bool:
     return type(module) is nn.Linear
 
 
-def _pack(module: nn.Module) -> nn.Module:
-    return PackedLinear(module) if _plain(module) else module  # type: ignore[arg-type]
+def _pack(module: Any) -> nn.Module:
+    return PackedLinear(module) if _plain(module) else module  # type: ignore[no-any-return]
 
 
-def accelerate_cpu_layers(model: Any, sliding_windows: Sequence[int | None]) -> int:
-    """Fuse and pack the decoder layers of a float32 CPU model in place; the layers fused.
+def accelerate_cpu_layers(model: Any, sliding_windows: Sequence[int | None]) -> None:
+    """Fuse and pack the decoder layers of a float32 CPU model in place.
 
     `sliding_windows[l]` is layer `l`'s window as the model runner planned it.
     A layer whose attention or MLP is not one of the HF classes above, or
-    whose projections a LoRA adapter wraps, keeps that module (its plain
-    linear layers are still packed).
+    whose projections a LoRA adapter wraps (`LoRALinear`), keeps that module;
+    every plain `nn.Linear` left, a `LoRALinear`'s base included, is packed.
     """
     base = getattr(model, model.base_model_prefix)
-    fused = 0
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn).__name__ in _ATTENTION_CLASSES and all(
@@ -220,15 +217,11 @@ def accelerate_cpu_layers(model: Any, sliding_windows: Sequence[int | None]) -> 
             qkv = _pack(fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]))
             attn.o_proj = _pack(attn.o_proj)
             layer.self_attn = FusedQKVAttention(attn, qkv, sliding_windows[attn.layer_idx])
-            fused += 1
         if type(mlp).__name__ in _MLP_CLASSES and _plain(mlp.gate_proj) and _plain(mlp.up_proj):
             gate_up = _pack(fuse_linears([mlp.gate_proj, mlp.up_proj]))
             mlp.down_proj = _pack(mlp.down_proj)
             layer.mlp = FusedGateUpMLP(mlp, gate_up)
     for module in list(model.modules()):
-        if isinstance(module, LoRALinear) and _plain(module.base):
-            module.base = _pack(module.base)  # type: ignore[assignment]
         for name, child in list(module.named_children()):
-            if _plain(child) and name != "base":
-                setattr(module, name, _pack(child))
-    return fused
+            if _plain(child):
+                setattr(module, name, PackedLinear(child))
