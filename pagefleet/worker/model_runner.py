@@ -183,6 +183,8 @@ class ModelRunner:
     `lora_adapters` (name -> PEFT adapter directory) wraps the projections
     they target once, at load (`self.lora`, a `LoRAManager`; None without
     adapters, and then nothing is wrapped).
+    A float32 model on the CPU then runs on fused, MKL-packed linear layers
+    (`cpu_linear.accelerate_cpu_layers`; `self.fast_cpu_layers` says whether).
     """
 
     def __init__(
