@@ -44,6 +44,12 @@ logit gap at the first difference (a near-tie or a bug).
 
 `--compare-attention` adds pagefleet on the padded reference attention (the
 test oracle) in the same rounds, against the CPU path it serves with.
+The floor is timed twice: through HF's own linear layers (`F.linear`) and,
+where the engine takes the CPU float32 fast path (`pagefleet.worker.cpu_linear`),
+through the engine's own fused q/k/v and gate/up layers with MKL-packed
+weights; the faster is the floor (the best dense-layer time on this CPU).
+`--compare-packed` adds pagefleet with that fast path off
+(`PAGEFLEET_CPU_PACKED=off`: HF's modules, `F.linear`) in the same rounds.
 `--compare-decode-kernel` adds pagefleet with the C decode kernel switched off
 (`PAGEFLEET_CPU_DECODE=off`: one SDPA call per decode sequence, the path
 before the kernel) in the same rounds, and compares their greedy outputs.
@@ -71,9 +77,12 @@ import torch.nn.functional as F
 from pagefleet.kernels.cpu_decode import SWITCH_ENV as DECODE_SWITCH_ENV
 from pagefleet.kernels.dispatch import BACKEND_ENV
 from pagefleet.worker.config import KV_CACHE_DTYPES
+from pagefleet.worker.cpu_linear import SWITCH_ENV as PACKED_SWITCH_ENV
+from pagefleet.worker.cpu_linear import PackedLinear
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
+LINEAR_TYPES = (torch.nn.Linear, PackedLinear)
 
 
 @dataclass
@@ -132,27 +141,26 @@ def load_hf(model: str) -> tuple[Any, str]:
 # ----------------------------------------------------------------------- the floor
 
 
-def linear_layers(hf: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear]:
-    """The decoder's linear layers in forward order, and the LM head."""
-    head = hf.get_output_embeddings()
-    body = [m for m in hf.base_model.modules() if isinstance(m, torch.nn.Linear)]
+def linear_layers(model: Any) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """A model's linear layers in forward order (`nn.Linear` or packed), and its LM head."""
+    head = model.get_output_embeddings()
+    body = [m for m in model.base_model.modules() if isinstance(m, LINEAR_TYPES)]
     return body, head
 
 
 @torch.inference_mode()
 def dense_floor(
-    hf: Any, prompt_lens: list[int], output_tokens: int, chunk: int
+    model: Any, prompt_lens: list[int], output_tokens: int, chunk: int
 ) -> tuple[Timing, Timing]:
-    """(prefill, decode) times of the workload's matmuls alone."""
-    body, head = linear_layers(hf)
-    dtype = head.weight.dtype
+    """(prefill, decode) times of the workload's matmuls alone, through `model`'s linear layers."""
+    body, head = linear_layers(model)
     widths = {m.in_features for m in [*body, head]}
-    inputs = {w: torch.randn(chunk, w, dtype=dtype) for w in widths}
+    inputs = {w: torch.randn(chunk, w, dtype=torch.float32) for w in widths}
     num_seqs = len(prompt_lens)
 
-    def rows_through(layers: list[torch.nn.Linear], rows: int) -> None:
+    def rows_through(layers: list[torch.nn.Module], rows: int) -> None:
         for m in layers:
-            F.linear(inputs[m.in_features][:rows], m.weight, m.bias)
+            m(inputs[m.in_features][:rows])
 
     total = sum(prompt_lens)
     rows_through(body, min(chunk, total))  # warm-up (first-touch of the weights)
@@ -424,7 +432,7 @@ class Timers:
 
         handles = []
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, LINEAR_TYPES):
                 handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
         return handles
 
@@ -525,6 +533,8 @@ def main() -> None:
                         help="also run pagefleet on the padded reference attention (the oracle)")
     parser.add_argument("--compare-decode-kernel", action="store_true",
                         help="also run pagefleet with the C decode kernel off, in the same rounds")
+    parser.add_argument("--compare-packed", action="store_true",
+                        help="also run pagefleet with the CPU fast path off (HF's layers, F.linear)")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
                         help="pagefleet's KV cache dtype; more than one: each in every round "
                         "(the first is the 'pagefleet' row the ratios use), greedy outputs "
@@ -591,11 +601,26 @@ def main() -> None:
     times: dict[str, list[Timing]] = defaultdict(list)
     outs: list[list[int]] = []
     llama_outs: dict[str, list[list[int]]] = {}
+    if args.compare_packed:
+        os.environ[PACKED_SWITCH_ENV] = "off"  # read at load: this engine only
+        try:
+            variants["pagefleet_unpacked"] = make_llm(args.model, len(prompts),
+                                                      args.kv_cache_dtype[0])
+        finally:
+            del os.environ[PACKED_SWITCH_ENV]
+        pagefleet_run(variants["pagefleet_unpacked"],
+                      [common.prompt(8, seed=99, vocab=cfg.vocab_size)], 2)
+    # The floor through HF's own layers (F.linear) and, when the engine took the CPU fast
+    # path, through the engine's fused and packed layers: the floor is the faster of the two.
+    floor_models = {"floor_linear": hf}
+    if llm.engine.runner.fast_cpu_layers:
+        floor_models["floor_packed"] = llm.engine.runner.model
     for _ in range(args.rounds):
-        prefill, decode = dense_floor(hf, lens, n_out, chunk)
-        times["floor"].append(Timing(prefill.wall + decode.wall, prefill.cpu + decode.cpu))
-        times["floor prefill"].append(prefill)
-        times["floor decode"].append(decode)
+        for key, model in floor_models.items():
+            prefill, decode = dense_floor(model, lens, n_out, chunk)
+            times[key].append(Timing(prefill.wall + decode.wall, prefill.cpu + decode.cpu))
+            times[f"{key} prefill"].append(prefill)
+            times[f"{key} decode"].append(decode)
         timing, outs = pagefleet_run(llm, prompts, n_out)
         times["pagefleet"].append(timing)
         for key, other in variants.items():
@@ -643,12 +668,16 @@ def main() -> None:
         with instrumented(llm, timers):
             t_instr, _ = pagefleet_run(llm, prompts, n_out)
 
-    floor = min(t.cpu for t in times["floor"])
+    floor_key = min(floor_models, key=lambda k: min(t.cpu for t in times[k]))
+    floor = min(t.cpu for t in times[floor_key])
     best_pf = min(t.cpu for t in times["pagefleet"])
     names = {
-        "floor": "dense-layer floor (matmuls only)",
+        "floor_linear": "dense-layer floor, F.linear on HF's layers",
+        "floor_packed": "dense-layer floor, pagefleet's fused + MKL-packed layers",
         "pagefleet": f"pagefleet LLM.generate (kv_cache_dtype {args.kv_cache_dtype[0]})",
-        **{k: f"pagefleet, kv_cache_dtype {k.rsplit(' ', 1)[1]}" for k in variants},
+        **{k: f"pagefleet, kv_cache_dtype {k.rsplit(' ', 1)[1]}" for k in variants
+           if k.startswith("pagefleet kv")},
+        "pagefleet_unpacked": "pagefleet, HF's layers and F.linear (PAGEFLEET_CPU_PACKED=off)",
         "pagefleet_reference": "pagefleet, padded reference attention",
         "pagefleet_sdpa_decode": "pagefleet, decode by per-sequence SDPA (C kernel off)",
         "padded": "HF generate, padded batch",
@@ -669,9 +698,11 @@ def main() -> None:
         ["method", "output tok/s (wall)", "wall s", "CPU s", "vs floor", "vs pagefleet",
          "spread max/min"], rows,
     )
-    fp, fd = (min(times[k], key=lambda t: t.cpu) for k in ("floor prefill", "floor decode"))
-    print(f"\nfloor: prefill {fp.cpu:.2f} CPU s ({sum(lens)} tokens in chunks of {chunk}), "
-          f"decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
+    for key in floor_models:
+        fp, fd = (min(times[f"{key} {part}"], key=lambda t: t.cpu) for part in ("prefill", "decode"))
+        print(f"\n{names[key]}: prefill {fp.cpu:.2f} CPU s ({sum(lens)} tokens in chunks of "
+              f"{chunk}), decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
+    print(f"the floor: {names[floor_key]}")
     print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor (CPU time)")
     peers = ("pagefleet_reference", "pagefleet_sdpa_decode", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS)
     for key in peers:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pagefleet.kernels.cpu_decode import decode_kernel
+from pagefleet.worker.cpu_linear import accelerate_cpu_layers, cpu_fast_path_applies
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
 from pagefleet.worker.lora import LoRAManager
 from pagefleet.worker.model_files import check_weights, load_tokenizer, resolve_model_path
@@ -182,6 +183,8 @@ class ModelRunner:
     `lora_adapters` (name -> PEFT adapter directory) wraps the projections
     they target once, at load (`self.lora`, a `LoRAManager`; None without
     adapters, and then nothing is wrapped).
+    A float32 model on the CPU then runs on fused, MKL-packed linear layers
+    (`cpu_linear.accelerate_cpu_layers`; `self.fast_cpu_layers` says whether).
     """
 
     def __init__(
@@ -228,10 +231,14 @@ class ModelRunner:
         self.model.eval()
         self.hf_config = self.model.config
         self._base_model = getattr(self.model, self.model.base_model_prefix)
-        self._lm_head = self.model.get_output_embeddings()
         self.lora: LoRAManager | None = None
         if lora_adapters:
             self.lora = LoRAManager(self.model, lora_adapters, max_loras, max_lora_rank)
+        # After LoRA: the projections it wraps stay unfused (see cpu_linear).
+        self.fast_cpu_layers = cpu_fast_path_applies(self.device, self.dtype)
+        if self.fast_cpu_layers:
+            accelerate_cpu_layers(self.model, self.sliding_windows)
+        self._lm_head = self.model.get_output_embeddings()
         # None when the directory ships no tokenizer: the model is then served from token ids.
         self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None

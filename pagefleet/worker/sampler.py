@@ -30,13 +30,21 @@ def sample(
     request, and every other row of the batch still gets its token.
     """
     tokens: list[int | None] = [None] * len(params)
-    ok = _finite_rows(logits)
-    logits = adjust_logits(logits, params, histories)
+    # One pass over the raw logits: a row's max is NaN when it holds a NaN (max propagates
+    # it) and +inf when it holds +inf; its index is the argmax (the first on ties).
+    top, top_index = logits.max(dim=-1)
+    ok = (~(torch.isnan(top) | torch.isposinf(top))).tolist()
+    adjusted = adjust_logits(logits, params, histories)
     greedy = [i for i, p in enumerate(params) if p.greedy and ok[i]]
     if greedy:
-        picked = logits[greedy].argmax(dim=-1).tolist()
-        for i, tok in zip(greedy, picked, strict=True):
+        if adjusted is logits:  # no bias or penalty anywhere: the argmax is already known
+            picked = top_index.tolist()
+            greedy_tokens = [picked[i] for i in greedy]
+        else:
+            greedy_tokens = adjusted[greedy].argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, greedy_tokens, strict=True):
             tokens[i] = int(tok)
+    logits = adjusted
     for i, p in enumerate(params):
         if p.greedy or not ok[i]:
             continue
@@ -119,12 +127,6 @@ def _token_counts(id_lists: Sequence[Sequence[int]], vocab: int, device: torch.d
     counts = torch.zeros((len(id_lists), vocab + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
-
-
-def _finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Per row: no NaN and no +inf (a -inf logit is a masked token, which is fine)."""
-    bad = torch.isnan(logits) | torch.isposinf(logits)
-    return (~bad.any(dim=-1)).tolist()
 
 
 def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
