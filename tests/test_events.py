@@ -252,9 +252,3 @@ def test_malformed_priority_claims_are_refused(claims: object) -> None:
     obj["priority_claims"] = claims
     with pytest.raises(EventDecodeError, match="priority_claims"):
         LoadReport.decode(msgpack.packb(obj))
-
-
-def test_free_lora_slots_are_the_slots_no_resident_adapter_holds() -> None:
-    assert make_report().lora_free_slots == 2
-    assert make_report(resident_adapters=("a", "b", "c", "d")).lora_free_slots == 0
-    assert make_report(lora_slots=0, resident_adapters=()).lora_free_slots == 0

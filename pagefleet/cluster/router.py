@@ -16,8 +16,8 @@ slot, or when this router sent it a request on that adapter within
 `speculative_ttl_s` (it is loading it), never more adapters than its slots
 (the most recently sent first): a hot adapter's requests gather on
 the workers that hold it. A cold one goes where loading it costs least, and
-preferably where a slot is free (`LoadReport.lora_free_slots`, less the
-adapters this router sent there since): an eviction costs a second load, the
+preferably where a slot is free (fewer adapters held than its
+`LoadReport.lora_slots`): an eviction costs a second load, the
 evicted adapter's, when its next request comes.
 
 A block the worker holds only in its offload tier (host memory, after its

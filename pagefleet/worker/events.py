@@ -222,11 +222,6 @@ class LoadReport:
         return self.prefix_hit_tokens / self.prefix_query_tokens
 
     @property
-    def lora_free_slots(self) -> int:
-        """LoRA slots no adapter holds now (0 on a worker without adapters)."""
-        return max(0, self.lora_slots - len(self.resident_adapters))
-
-    @property
     def num_allocatable(self) -> int:
         """Blocks a new request could get now: free plus evictable cached ones."""
         return self.free_blocks + self.cached_blocks
