@@ -440,27 +440,27 @@ class Timers:
 @contextmanager
 def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
     """Time the parts of pagefleet's step (see the module docstring)."""
-    from transformers import AttentionInterface
-
+    import pagefleet.worker.cpu_linear as cpu_linear_module
     import pagefleet.worker.engine as engine_module
-    from pagefleet.worker.paged_attention_hf import ATTN_IMPLEMENTATION, paged_attention_forward
+    import pagefleet.worker.llama as llama_module
 
     engine, runner = llm.engine, llm.engine.runner
-    saved_sample = engine_module.sample
+    saved_sample, saved_attend = engine_module.sample, llama_module.attend
     engine.step = timers.wrap("step", engine.step)
     runner.execute = timers.wrap("execute", runner.execute)
     runner._metadata = timers.wrap("tensors", runner._metadata)
     engine_module.sample = timers.wrap("sampling", saved_sample)
-    AttentionInterface.register(
-        ATTN_IMPLEMENTATION, timers.wrap("attention", paged_attention_forward)
-    )
+    # Both the plain and the fused attention modules call `attend` by its module-level name.
+    for module in (llama_module, cpu_linear_module):
+        module.attend = timers.wrap("attention", saved_attend)  # type: ignore[assignment]
     handles = timers.hook_linears(runner.model)
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        for module in (llama_module, cpu_linear_module):
+            module.attend = saved_attend  # type: ignore[assignment]
         engine_module.sample = saved_sample
         for obj, name in ((engine, "step"), (runner, "execute"), (runner, "_metadata")):
             delattr(obj, name)

@@ -2,8 +2,8 @@
 
 A float32 model on the CPU is rewritten at load (`pagefleet.worker.cpu_linear`);
 float64, `PAGEFLEET_CPU_PACKED=off` and projections a LoRA adapter wraps keep
-HF's modules. The fast path's logits are compared with the same model on HF's
-modules and `F.linear`, in the same process, over the same paged steps.
+the plain modules. The fast path's logits are compared with the same model on the
+plain modules and `F.linear`, in the same process, over the same paged steps.
 They agree to float32 round-off, not bit for bit: MKL's packed GEMM sums like
 `F.linear` from 16 rows up (bit-identical on the machines measured), but for
 fewer rows `F.linear` takes another MKL kernel, with another summation order.
@@ -29,6 +29,7 @@ from pagefleet.worker.cpu_linear import (
     cpu_fast_path_applies,
 )
 from pagefleet.worker.kv_cache import KVCache
+from pagefleet.worker.llama import Attention
 from pagefleet.worker.lora import LoRALinear
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 
@@ -102,7 +103,7 @@ def test_a_float32_cpu_model_runs_on_fused_packed_layers(
     assert isinstance(runner.model.get_output_embeddings(), PackedLinear)
 
 
-def test_float64_and_the_switch_keep_hf_modules(
+def test_float64_and_the_switch_keep_the_plain_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir = _model("llama", tmp_path)
@@ -111,11 +112,11 @@ def test_float64_and_the_switch_keep_hf_modules(
     for runner in (off, exact):
         assert not runner.fast_cpu_layers
         assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
-        assert type(runner.model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+        assert type(runner.model.model.layers[0].self_attn) is Attention
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fast_path_logits_equal_hf_modules_to_float32_round_off(
+def test_fast_path_logits_equal_the_plain_modules_to_float32_round_off(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Qwen2 brings q/k/v biases; Mistral a sliding window shorter than the longest prompt.
@@ -129,7 +130,7 @@ def test_fast_path_logits_equal_hf_modules_to_float32_round_off(
         assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
 
 
-def test_fast_path_greedy_tokens_equal_hf_modules_through_the_engine(
+def test_fast_path_greedy_tokens_equal_the_plain_modules_through_the_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir = _model("llama", tmp_path)
@@ -154,7 +155,7 @@ def test_lora_wrapped_projections_stay_unfused_on_packed_bases(
     runner = _runner(model_dir, monkeypatch, packed=True, lora_adapters={"attn": adapter})
     for layer in runner.model.model.layers:
         attn = layer.self_attn
-        assert type(attn).__name__ == "LlamaAttention"  # q/v wrapped: not fused
+        assert type(attn) is Attention  # q/v wrapped: not fused
         assert isinstance(attn.q_proj, LoRALinear) and isinstance(attn.q_proj.base, PackedLinear)
         assert isinstance(attn.k_proj, PackedLinear)
         assert isinstance(layer.mlp, FusedGateUpMLP)  # no adapter on the MLP

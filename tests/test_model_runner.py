@@ -249,6 +249,90 @@ def test_qwen2_mixed_full_and_sliding_layers_match_hf_generate(tmp_path: Path) -
     assert got == expected
 
 
+# Config options the three families' checkpoints use beyond the defaults: each changes the
+# forward (RoPE scaling, biases, a tied head, another activation), and the runner's own
+# model must follow transformers in each.
+CONFIG_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-rope-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 500.0}}),
+    "llama-rope-llama3": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 500000.0}}),
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-tied-gelu": ("llama", {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}),
+    "qwen2-rope-yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                      "rope_theta": 1000.0}}),
+    "mistral-no-head-dim": ("mistral", {"head_dim": None}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_config_variants_match_hf_generate_and_read_as_autoconfig(
+    variant: str, tmp_path: Path
+) -> None:
+    from transformers import AutoConfig
+
+    from pagefleet.worker.model_config import read_model_config
+
+    arch, overrides = CONFIG_VARIANTS[variant]
+    model_dir = build_tiny_hf_model(arch, tmp_path, **overrides)
+    hf = AutoConfig.from_pretrained(model_dir)
+    ours = read_model_config(model_dir)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "hidden_act",
+                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                 "rope_parameters", "eos_token_id"):  # fmt: skip
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    reference = load_hf_reference(model_dir)
+    prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENS]
+    expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    runner = ModelRunner(model_dir, dtype="float64")
+    _bind_fresh_cache(runner)
+    assert run_greedy(runner, prompts, MAX_NEW, ShuffledSlots(len(prompts), 4), chunk=5) == expected
+
+
+def test_a_sharded_checkpoint_loads_as_the_single_file_one(setup: ArchSetup, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "sharded"
+    shutil.copytree(setup.model_dir, model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}  # fmt: skip
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, model_dir / file, metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    runner = ModelRunner(model_dir, dtype="float64")
+    _bind_fresh_cache(runner)
+    got = run_greedy(runner, setup.prompts, MAX_NEW, ShuffledSlots(len(setup.prompts), 4))
+    assert got == setup.expected
+
+
+def test_a_checkpoint_that_misses_or_adds_a_tensor_is_refused_naming_it(
+    setup: ArchSetup, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from pagefleet.worker.model_files import ModelFileError
+
+    tensors = load_file(setup.model_dir / "model.safetensors")
+    for name, change in (("lacks", "model.norm.weight"), ("adds", "model.extra.weight")):
+        model_dir = tmp_path / name
+        shutil.copytree(setup.model_dir, model_dir)
+        edited = dict(tensors)
+        if change in edited:
+            del edited[change]
+        else:
+            edited[change] = torch.zeros(2)
+        save_file(edited, model_dir / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelFileError, match=change.replace(".", r"\.")):
+            ModelRunner(model_dir, dtype="float64")
+
+
 def _write_config(tmp: Path, config: dict[str, object]) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(config))
@@ -296,12 +380,6 @@ def test_unknown_model_type_is_refused(tmp_path: Path) -> None:
     model_dir = _write_config(tmp_path, {"model_type": "no-such-arch", "architectures": ["X"]})
     with pytest.raises(UnsupportedModelError, match="no-such-arch"):
         ModelRunner(model_dir)
-
-
-def test_paged_attention_outside_the_runner_fails_loudly(setup: ArchSetup) -> None:
-    # model.generate() on the runner's model would otherwise attend without a KV pool.
-    with pytest.raises(RuntimeError, match="PagedAttentionMetadata"):
-        setup.runner.model(torch.tensor([[1, 2, 3]]))
 
 
 def test_missing_model_directory_is_refused_without_download(tmp_path: Path) -> None:

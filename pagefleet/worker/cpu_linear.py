@@ -1,24 +1,22 @@
 """The CPU float32 fast path of the decoder layers: fewer GEMMs, over prepacked weights.
 
-`accelerate_cpu_layers(model, sliding_windows)` rewrites a loaded HF Llama,
-Qwen2 or Mistral model in place, once, at load, for a float32 model on the
-CPU:
+`accelerate_cpu_layers(model)` rewrites a loaded model (`pagefleet.worker.llama`)
+in place, once, at load, for a float32 model on the CPU:
 
 - each attention module's q/k/v projections become one GEMM
-  (`FusedQKVAttention`), RoPE applied in the token-major layout the paged
-  attention function packs its inputs in anyway;
+  (`FusedQKVAttention`);
 - each MLP's gate/up projections become one GEMM (`FusedGateUpMLP`), the
   activation's product taken in place;
 - every linear layer left (the fused ones, o/down, the LM head) holds its
   weight packed for MKL's GEMM (`PackedLinear`), packed once here instead of
   inside every call.
 
-Elementwise, everything is computed by the operations of HF's modules in the
-same order; only the GEMM kernel differs (see `PackedLinear`).
+Elementwise, everything is computed by the same operations in the same order;
+only the GEMM kernel differs (see `PackedLinear`).
 Projections a LoRA adapter wraps (`LoRALinear`) are not fused: their layer
-keeps HF's module and the wrapped base layer is packed in place, so the LoRA
+keeps its module and the wrapped base layer is packed in place, so the LoRA
 delta still adds onto the base projection's output.
-`PAGEFLEET_CPU_PACKED=off` (read at load) keeps HF's modules and `F.linear`.
+`PAGEFLEET_CPU_PACKED=off` (read at load) keeps the plain modules and `F.linear`.
 """
 
 from __future__ import annotations
@@ -30,11 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# The HF attention and MLP classes whose forward the fused modules reproduce: the
-# same q/k/v -> RoPE -> attention -> o and down(act(gate) * up) in all three families.
-_ATTENTION_CLASSES = ("LlamaAttention", "Qwen2Attention", "MistralAttention")
-_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "MistralMLP")
-
+from pagefleet.worker.llama import Attention, GatedMLP, PagedAttentionMetadata, attend, rotate
 
 # MKL chooses its blocking for this many rows when it packs a weight. Packs for 256 to
 # 2,048 rows run every batch from 8 to 2,048 rows at the same speed; packs for 16 or 64
@@ -97,7 +91,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=mkl"
 
 
-def fuse_linears(layers: Sequence[nn.Linear]) -> nn.Linear:
+def fuse_linears(layers: Sequence[Any]) -> nn.Linear:
     """One `nn.Linear` whose output is the outputs of `layers` side by side (same input)."""
     first = layers[0]
     has_bias = [m.bias is not None for m in layers]
@@ -114,28 +108,14 @@ def fuse_linears(layers: Sequence[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as HF computes it (`x * cos + rotate_half(x) * sin`), in any layout `cos` broadcasts to."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class FusedQKVAttention(nn.Module):
-    """An HF Llama/Qwen2/Mistral attention module with q/k/v computed by one projection.
+    """An `Attention` whose q/k/v come out of one projection; called as the module it replaces."""
 
-    Called as the module it replaces (`hidden_states [1, tokens, hidden]`,
-    `position_embeddings`, `attention_mask`, the attention function's keywords)
-    and returning `(output, None)`; the attention function is the one the
-    model's config names (pagefleet's paged attention).
-    """
-
-    def __init__(self, attn: nn.Module, qkv_proj: nn.Module, sliding_window: int | None) -> None:
+    def __init__(self, attn: Attention, qkv_proj: nn.Module) -> None:
         super().__init__()
-        self.config: Any = attn.config
-        self.layer_idx: int = int(attn.layer_idx)  # type: ignore[arg-type]
-        self.head_dim: int = int(attn.head_dim)  # type: ignore[arg-type]
-        self.scaling: float = float(attn.scaling)  # type: ignore[arg-type]
-        self.sliding_window = sliding_window
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
         q_proj: Any = attn.q_proj
         k_proj: Any = attn.k_proj
         self.split_heads = (
@@ -144,45 +124,34 @@ class FusedQKVAttention(nn.Module):
             k_proj.out_features // self.head_dim,
         )
         self.qkv_proj = qkv_proj
-        self.o_proj: nn.Module = attn.o_proj  # type: ignore[assignment]
+        self.o_proj: nn.Module = attn.o_proj
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        if cache is not None:
-            raise RuntimeError("FusedQKVAttention runs without an HF cache (the KV is paged)")
-        kwargs.pop("position_ids", None)
-        kwargs.pop("use_cache", None)
-        tokens = hidden_states.shape[:-1]
-        qkv = self.qkv_proj(hidden_states).view(*tokens, -1, self.head_dim)
-        q, k, v = qkv.split(self.split_heads, dim=-2)  # [batch, tokens, heads, dim]
-        cos, sin = (t.unsqueeze(-2) for t in position_embeddings)
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)
+        q, k, v = qkv.split(self.split_heads, dim=-2)  # [tokens, heads, dim]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        out, _ = attention(
-            self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-            dropout=0.0, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-        )  # fmt: skip
-        return self.o_proj(out.reshape(*tokens, -1).contiguous()), None
+        out = attend(q, k, v, metadata, self.layer_idx, self.scaling)
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, -1))
+        return result
 
 
 class FusedGateUpMLP(nn.Module):
-    """An HF gated MLP, `down(act(gate(x)) * up(x))`, with gate/up computed by one projection."""
+    """A `GatedMLP`, `down(act(gate(x)) * up(x))`, with gate/up computed by one projection."""
 
-    def __init__(self, mlp: nn.Module, gate_up_proj: nn.Module) -> None:
+    def __init__(self, mlp: GatedMLP, gate_up_proj: nn.Module) -> None:
         super().__init__()
         gate_proj: Any = mlp.gate_proj
         self.intermediate_size: int = gate_proj.out_features
         self.gate_up_proj = gate_up_proj
-        self.down_proj: nn.Module = mlp.down_proj  # type: ignore[assignment]
-        self.act_fn: nn.Module = mlp.act_fn  # type: ignore[assignment]
+        self.down_proj: nn.Module = mlp.down_proj
+        self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -200,24 +169,22 @@ def _pack(module: Any) -> nn.Module:
     return PackedLinear(module) if _plain(module) else module  # type: ignore[no-any-return]
 
 
-def accelerate_cpu_layers(model: Any, sliding_windows: Sequence[int | None]) -> None:
+def accelerate_cpu_layers(model: Any) -> None:
     """Fuse and pack the decoder layers of a float32 CPU model in place.
 
-    `sliding_windows[l]` is layer `l`'s window as the model runner planned it.
-    A layer whose attention or MLP is not one of the HF classes above, or
-    whose projections a LoRA adapter wraps (`LoRALinear`), keeps that module;
-    every plain `nn.Linear` left, a `LoRALinear`'s base included, is packed.
+    A layer whose attention or MLP projections a LoRA adapter wraps
+    (`LoRALinear`) keeps that module; every plain `nn.Linear` left, a
+    `LoRALinear`'s base included, is packed.
     """
-    base = getattr(model, model.base_model_prefix)
-    for layer in base.layers:
+    for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn).__name__ in _ATTENTION_CLASSES and all(
+        if isinstance(attn, Attention) and all(
             _plain(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)
         ):
             qkv = _pack(fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]))
             attn.o_proj = _pack(attn.o_proj)
-            layer.self_attn = FusedQKVAttention(attn, qkv, sliding_windows[attn.layer_idx])
-        if type(mlp).__name__ in _MLP_CLASSES and _plain(mlp.gate_proj) and _plain(mlp.up_proj):
+            layer.self_attn = FusedQKVAttention(attn, qkv)
+        if isinstance(mlp, GatedMLP) and _plain(mlp.gate_proj) and _plain(mlp.up_proj):
             gate_up = _pack(fuse_linears([mlp.gate_proj, mlp.up_proj]))
             mlp.down_proj = _pack(mlp.down_proj)
             layer.mlp = FusedGateUpMLP(mlp, gate_up)

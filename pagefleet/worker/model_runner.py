@@ -1,11 +1,10 @@
-"""Run a Hugging Face causal LM over the paged KV cache, one engine step at a time.
+"""Run a Llama, Qwen2 or Mistral checkpoint over the paged KV cache, one engine step at a time.
 
-The model is an ordinary transformers model whose attention is swapped for
-`pagefleet_paged` (see `paged_attention_hf`). A step packs every sequence's new
-tokens into one row, `input_ids [1, total_tokens]` with per-token
-`position_ids`, runs the base model with `use_cache=False` and the step's
-`PagedAttentionMetadata` as a keyword, and applies the LM head only to each
-sequence's last token.
+The model is pagefleet's own (`pagefleet.worker.llama`: transformers' operations,
+without transformers). A step packs every sequence's new tokens into one row of
+`total_tokens` ids with per-token positions, runs the decoder with the step's
+`PagedAttentionMetadata`, and applies the LM head only to each sequence's last
+token.
 
 A model whose attention the paged path cannot reproduce is refused at load
 with `UnsupportedModelError`, never served wrongly: see `check_supported`.
@@ -13,6 +12,7 @@ with `UnsupportedModelError`, never served wrongly: see `check_supported`.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -26,13 +26,14 @@ import torch
 from pagefleet.kernels.cpu_decode import decode_kernel
 from pagefleet.worker.cpu_linear import accelerate_cpu_layers, cpu_fast_path_applies
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
+from pagefleet.worker.llama import PagedAttentionMetadata, WeightsError, load_model
 from pagefleet.worker.lora import LoRAManager
-from pagefleet.worker.model_files import check_weights, load_tokenizer, resolve_model_path
-from pagefleet.worker.paged_attention_hf import (
-    ATTN_IMPLEMENTATION,
-    METADATA_KWARG,
-    PagedAttentionMetadata,
-    register_paged_attention,
+from pagefleet.worker.model_config import ModelConfig, read_model_config
+from pagefleet.worker.model_files import (
+    ModelFileError,
+    check_weights,
+    load_tokenizer,
+    resolve_model_path,
 )
 
 # Architectures whose attention is plain causal (optionally windowed) softmax attention
@@ -110,6 +111,12 @@ def check_supported(config: Any) -> tuple[int | None, ...]:
     architectures = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
     known = sorted(SUPPORTED_ARCHITECTURES)
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        named = f" ({', '.join(architectures)})" if architectures else ""
+        raise UnsupportedModelError(
+            f"model_type {model_type!r}{named} is not supported on the paged attention path; "
+            f"supported: {known}"
+        )
     if not architectures:
         # Older configs omit `architectures`; AutoModelForCausalLM then goes by model_type.
         by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
@@ -176,7 +183,7 @@ def _checked_window(window: Any) -> int | None:
 
 
 class ModelRunner:
-    """Loads an HF causal LM and runs engine steps on a bound `KVCache`.
+    """Loads a checkpoint (`pagefleet.worker.llama`) and runs engine steps on a bound `KVCache`.
 
     `kv_cache_dtype` is the dtype the KV cache stores: "auto" (the model
     `dtype`) or a narrower one (e.g. "float16" under a float32 model).
@@ -197,9 +204,6 @@ class ModelRunner:
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
         self.dtype = parse_dtype(dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype} not supported; use one of {_DTYPES}")
@@ -210,35 +214,27 @@ class ModelRunner:
         self.model_path = resolve_model_path(model)
         # Check the config before loading any weights: a refusal should be cheap.
         try:
-            self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        except (ValueError, KeyError) as exc:  # unknown model_type, custom code
+            self.config: ModelConfig = read_model_config(self.model_path)
+        except (ValueError, KeyError, TypeError) as exc:
             raise UnsupportedModelError(
                 f"cannot read {self.model_path}/config.json: {exc}"
             ) from exc
-        self.sliding_windows = check_supported(self.hf_config)
+        self.sliding_windows = check_supported(self.config)
         check_weights(self.model_path)
-        register_paged_attention()
         if self.device.type == "cpu":
             # Build (or load) the C decode kernel now rather than in the first request's step.
             decode_kernel(self.dtype, self.kv_dtype)
-        # A server's log is no place for a progress bar per worker start.
-        hf_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
-        )
-        # transformers types PreTrainedModel.to oddly; this is nn.Module.to.
-        self.model.to(self.device)  # type: ignore[arg-type]
-        self.model.eval()
-        self.hf_config = self.model.config
-        self._base_model = getattr(self.model, self.model.base_model_prefix)
+        try:
+            self.model = load_model(self.config, self.dtype, self.device)
+        except WeightsError as exc:
+            raise ModelFileError(str(exc)) from exc
         self.lora: LoRAManager | None = None
         if lora_adapters:
             self.lora = LoRAManager(self.model, lora_adapters, max_loras, max_lora_rank)
         # After LoRA: the projections it wraps stay unfused (see cpu_linear).
         self.fast_cpu_layers = cpu_fast_path_applies(self.device, self.dtype)
         if self.fast_cpu_layers:
-            accelerate_cpu_layers(self.model, self.sliding_windows)
-        self._lm_head = self.model.get_output_embeddings()
+            accelerate_cpu_layers(self.model)
         # None when the directory ships no tokenizer: the model is then served from token ids.
         self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None
@@ -246,15 +242,15 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         """Width of the logits (the model's vocabulary, may exceed the tokenizer's)."""
-        return int(self.hf_config.vocab_size)
+        return self.config.vocab_size
 
     @property
     def eos_token_ids(self) -> set[int]:
         """EOS ids from the generation config, the model config and the tokenizer."""
         ids: set[int] = set()
         sources = (
-            getattr(self.model.generation_config, "eos_token_id", None),
-            getattr(self.hf_config, "eos_token_id", None),
+            generation_eos_token_id(self.model_path),
+            self.config.eos_token_id,
             getattr(self.tokenizer, "eos_token_id", None),
         )
         for source in sources:
@@ -267,11 +263,11 @@ class ModelRunner:
     @property
     def model_shape(self) -> ModelShape:
         """Per-token KV shape of this model in the KV cache dtype."""
-        return ModelShape.from_hf_config(self.hf_config, dtype=self.kv_dtype)
+        return ModelShape.from_hf_config(self.config, dtype=self.kv_dtype)
 
     @property
     def max_position_embeddings(self) -> int:
-        return int(self.hf_config.max_position_embeddings)
+        return self.config.max_position_embeddings
 
     def bind_kv_cache(self, kv: KVCache) -> None:
         """Use `kv` for every later step; its shape, dtype and device must match the model."""
@@ -299,17 +295,12 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=out_dtype, device=self.device)
         metadata = self._metadata(batch, self.kv_cache)
         device = self.device
-        input_ids = torch.tensor([batch.input_ids], dtype=torch.long, device=device)
-        position_ids = torch.tensor([batch.positions], dtype=torch.long, device=device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         with self._lora_batch(batch):
-            hidden = self._base_model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                **{METADATA_KWARG: metadata},
-            ).last_hidden_state
+            hidden = self.model.model(input_ids, positions, metadata)
         last_rows = torch.tensor(batch.query_start_loc[1:], dtype=torch.long, device=device) - 1
-        logits = self._lm_head(hidden[0].index_select(0, last_rows))
+        logits = self.model.lm_head(hidden.index_select(0, last_rows))
         return logits.to(out_dtype)
 
     def _lora_batch(self, batch: StepBatch) -> AbstractContextManager[None]:
@@ -394,12 +385,12 @@ class ModelRunner:
         the hidden state, q/k/v plus their rotated copies and the attention
         output, and four MLP-wide tensors (gate, up, activation, product).
         """
-        cfg = self.hf_config
+        cfg = self.config
         shape = self.model_shape
-        q_width = int(cfg.num_attention_heads) * shape.head_dim
+        q_width = cfg.num_attention_heads * shape.head_dim
         kv_width = shape.num_kv_heads * shape.head_dim
         per_token = (
-            4 * int(cfg.hidden_size) + 3 * q_width + 4 * kv_width + 4 * int(cfg.intermediate_size)
+            4 * cfg.hidden_size + 3 * q_width + 4 * kv_width + 4 * cfg.intermediate_size
         )
         return num_tokens * per_token * self.dtype.itemsize
 
@@ -415,3 +406,14 @@ def _cumsum(values: Sequence[int]) -> list[int]:
         acc += v
         out.append(acc)
     return out
+
+
+def generation_eos_token_id(path: Path) -> Any:
+    """`eos_token_id` of the checkpoint's `generation_config.json` (None without one)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text("utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
