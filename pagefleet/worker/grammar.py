@@ -1,5 +1,8 @@
 """Structured output on a worker: grammars compiled by xgrammar, one matcher per sequence.
 
+xgrammar is imported when the first grammar is compiled (it imports transformers:
+an engine that never sees a structured request does not pay for either).
+
 `Grammars` belongs to one engine (one model): it builds xgrammar's tokenizer
 info once, compiles each `StructuredOutput` once (an LRU keyed by the spec's
 hash; a compile may run on any thread) and makes `TokenMatcher`s. Each step,
@@ -16,12 +19,14 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from pagefleet.worker.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Compiled grammars kept per engine: a JSON schema's masks take from kilobytes to a few
 # megabytes, and clients tend to reuse a handful of schemas.
@@ -90,6 +95,8 @@ class Grammars:
         self.compiles = 0  # how many specs were compiled (cache misses)
 
     def _grammar_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
         # Built on first use: an engine that never sees a structured request pays nothing.
         with self._lock:
             if self._compiler is None:
@@ -129,6 +136,8 @@ class Grammars:
     def matcher(self, spec: StructuredOutput, accepted: Sequence[int] = ()) -> TokenMatcher:
         """A fresh matcher for `spec` that has accepted `accepted` (the output so far of a
         resumed request); GrammarError when the grammar does not allow those tokens."""
+        import xgrammar as xgr
+
         compiled = self.compile(spec)
         # Without a stop token the matcher ends as soon as the grammar is complete.
         matcher = TokenMatcher(
@@ -148,6 +157,8 @@ class Grammars:
 
 
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    import xgrammar as xgr
+
     try:
         if spec.json_schema is not None or spec.json_object:
             schema = spec.json_schema if spec.json_schema is not None else '{"type": "object"}'
@@ -165,6 +176,8 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.Compi
 
 
 def _check_not_empty(compiled: xgr.CompiledGrammar, spec: StructuredOutput) -> None:
+    import xgrammar as xgr
+
     # A grammar that allows no first token (e.g. `{"anyOf": []}`) compiles; refused here,
     # it is the client's error, not a request failing at its first step.
     bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
@@ -214,6 +227,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -
     constrained = [i for i, m in enumerate(matchers) if m is not None]
     if not constrained:
         return logits
+    import xgrammar as xgr  # imported by the first grammar's compile: a dict lookup here
     # Rows of unconstrained sequences stay unfilled: `indices` leaves them alone.
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     for i in constrained:
