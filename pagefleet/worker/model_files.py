@@ -218,13 +218,21 @@ def convert_gguf(gguf: Path, out_dir: Path, phase: Callable[[str], None] = lambd
     config without `quantization_config` and given the loaded state dict.
     `phase(name)` is called as each of `CONVERSION_PHASES` starts.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"gguf_file": gguf.name}
     phase(CONVERSION_PHASES[0])
+    with _one_gguf_parse():
+        _convert_gguf(gguf, out_dir, phase, kwargs)
+
+
+def _convert_gguf(
+    gguf: Path, out_dir: Path, phase: Callable[[str], None], kwargs: dict[str, Any]
+) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
@@ -244,6 +252,31 @@ def convert_gguf(gguf: Path, out_dir: Path, phase: Callable[[str], None] = lambd
     model.save_pretrained(out_dir)
     phase(CONVERSION_PHASES[3])
     AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """Meanwhile `gguf.GGUFReader(path)` parses each file once: transformers parses the GGUF
+    again for the config, the weights and the tokenizer (four parses of ~2 s each for
+    SmolLM2's, most of a conversion). The parsed reader is read-only (a memory map)."""
+    import gguf as gguf_package
+
+    original = gguf_package.GGUFReader
+    parsed: dict[str, Any] = {}
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return original(path, *args, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = original(path)
+        return parsed[key]
+
+    setattr(gguf_package, "GGUFReader", reader)  # noqa: B010  (a class attribute to mypy)
+    try:
+        yield
+    finally:
+        setattr(gguf_package, "GGUFReader", original)  # noqa: B010
 
 
 @contextlib.contextmanager
