@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import shutil
 import tempfile
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagefleet.cache_root import default_cache_root
 
@@ -49,27 +50,31 @@ def corpus_text() -> str:
     return resources.files("pagefleet").joinpath("data/tiny_corpus.txt").read_text("utf-8")
 
 
+# The tiny model's `LlamaConfig` arguments.
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": TINY_INITIALIZER_RANGE,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "architectures": ["LlamaForCausalLM"],
+}
+
+
 def tiny_model_config() -> LlamaConfig:
     """The tiny model's `LlamaConfig`; builds nothing (used by `pagefleet plan`)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        initializer_range=TINY_INITIALIZER_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        architectures=["LlamaForCausalLM"],
-    )
+    return LlamaConfig(**TINY_CONFIG)
 
 
 @lru_cache(maxsize=1)
@@ -117,10 +122,16 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model_dir_name() -> str:
-    """`tiny-<version>-<digest>`: the digest changes whenever the corpus or config does."""
+    """`tiny-<version>-<digest>`: the digest changes whenever the corpus, the config or
+    transformers (which writes the files) does.
+
+    Computed without importing transformers: the ingress resolves "tiny" to load its
+    tokenizer, and importing transformers would import torch there.
+    """
     digest = hashlib.sha256()
     digest.update(corpus_text().encode("utf-8"))
-    digest.update(json.dumps(tiny_model_config().to_dict(), sort_keys=True).encode("utf-8"))
+    digest.update(json.dumps(TINY_CONFIG, sort_keys=True).encode("utf-8"))
+    digest.update(importlib.metadata.version("transformers").encode())
     digest.update(str(TINY_SEED).encode())
     return f"tiny-{TINY_VERSION}-{digest.hexdigest()[:10]}"
 
