@@ -3,52 +3,52 @@
 `AutoTokenizer.from_pretrained` imports torch and much of transformers'
 modeling code: about 2.5 CPU-seconds that every ingress replica and every
 worker paid at start, for a tokenizer that is `tokenizers` (Rust) underneath.
-`Tokenizer` is that Rust tokenizer plus what transformers' `TokenizersBackend`
-(the class a `tokenizer.json` checkpoint loads as) does on top, repeated call
-for call on the same `tokenizers` objects so the ids come out the same:
+`Tokenizer` is that Rust tokenizer plus what transformers 5 does on top,
+repeated call for call on the same `tokenizers` objects so the ids come out
+the same:
 
 - `tokenizer.json` is the pipeline; its post-processor alone adds BOS/EOS
   (transformers drops `add_bos_token`/`add_eos_token` from the config when a
   `tokenizer.json` is there), and encoding never truncates nor pads;
-- the special tokens of `tokenizer_config.json` (or the legacy
+- the special tokens of `tokenizer_config.json` (or of the legacy
   `special_tokens_map.json` / `added_tokens.json`) are added to the Rust
   tokenizer in transformers' order, so a special token missing from the
   vocabulary gets the id transformers gives it;
+- for the architectures pagefleet serves, the model-specific class
+  `AutoTokenizer` picks rebuilds the pipeline from the vocabulary with that
+  model's defaults, and so does `_model_class`: `Qwen2Tokenizer` for every
+  `model_type: qwen2`; for `llama`, `LlamaTokenizer` (a Metaspace pipeline
+  whose prefix space follows the config's `legacy`) or `GPT2Tokenizer` where
+  the config names them; a `mistral` checkpoint reads as it is;
 - `decode` cleans up tokenization spaces only where transformers does (never
   for BPE);
 - chat templates (`chat_template.jinja`, `additional_chat_templates/`, or the
-  config's `chat_template`) render in transformers' jinja2 sandbox: the same
-  options, filters and globals, the special tokens as variables.
+  config's `chat_template`) render in transformers' sandbox
+  (`pagefleet.worker.chat_template`), the special tokens as variables.
 
-One difference is deliberate: transformers 5 swaps in a model-specific class
-for some checkpoints (`Qwen2Tokenizer` for every `model_type: qwen2`,
-`LlamaTokenizer` where the config names it and the vocabulary is not
-byte-level), which rebuild the pipeline from that model's defaults rather than
-from `tokenizer.json`. On a checkpoint whose `tokenizer.json` is that
-model's pipeline (the Hub's current Llama and Qwen files) the result is the
-same; elsewhere `tokenizer.json` wins.
+Not followed: the other model-specific classes (model types pagefleet does
+not serve: their tokenizer.json is read as it is), remote code (`auto_map`),
+`mistral_common` (not installed with pagefleet), the opt-in
+`fix_mistral_regex`, and a tokenizer without `tokenizer.json` (a
+sentencepiece model or `vocab.json` alone: `load_tokenizer` refuses it).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.sandbox
-import jinja2.utils
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
+
+from pagefleet.worker.chat_template import render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+MODEL_CONFIG_FILE = "config.json"  # its model_type picks transformers' tokenizer class
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # legacy, read without added_tokens_decoder
 ADDED_TOKENS_FILE = "added_tokens.json"  # legacy, likewise
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -68,7 +68,7 @@ Token = str | AddedToken
 class Tokenizer:
     """A checkpoint directory's tokenizer (`Tokenizer.from_dir`), with the part of
     transformers' tokenizer API that pagefleet uses; ids, text and chat prompts equal
-    `AutoTokenizer`'s (see the module docstring for the one exception)."""
+    `AutoTokenizer`'s (see the module docstring for where they may not)."""
 
     def __init__(
         self,
@@ -97,7 +97,17 @@ class Tokenizer:
             backend = RustTokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on a bad file
             raise ValueError(f"{file.name}: {_first_line(exc)}") from exc
-        return _load(backend, _init_kwargs(path, backend))
+        config_file = path / CONFIG_FILE
+        config = _read_json(config_file) if config_file.is_file() else {}
+        model_class = _model_class(path, config, backend)
+        kwargs = _init_kwargs(path, dict(config), backend)
+        for key, value in (model_class.defaults if model_class else {}).items():
+            kwargs.setdefault(key, value)
+        if backend.padding is not None:
+            kwargs.setdefault("pad_token", backend.padding["pad_token"])
+        if model_class is not None:
+            backend = model_class.rebuild(backend, kwargs)
+        return _load(backend, kwargs, readd_special_tokens=bool(model_class and model_class.readds))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the post-processor's BOS/EOS when `add_special_tokens`)."""
@@ -170,19 +180,12 @@ class Tokenizer:
         jinja2 errors."""
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation.")
-        template = compile_chat_template(self._template_source(tools is not None))
-        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
-            raise ValueError("tools must be JSON schemas (dicts)")
-        messages = _alias_reasoning_fields(
-            _plain([{k: v for k, v in dict(m).items() if v is not None} for m in conversation])
-        )
-        variables = _plain({**self.special_tokens_map, **template_kwargs})
-        text = template.render(
-            messages=messages,
-            tools=_plain(None if tools is None else list(tools)),
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
+        text = render_chat_template(
+            self._template_source(tools is not None),
+            conversation,
+            tools,
+            add_generation_prompt,
+            {**self.special_tokens_map, **template_kwargs},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -202,13 +205,14 @@ class Tokenizer:
         return template
 
 
+
+
 # ----- loading, in the order of transformers' `_from_pretrained` and `__init__`s ---------
 
 
-def _init_kwargs(path: Path, backend: RustTokenizer) -> dict[str, Any]:
-    """`tokenizer_config.json` as transformers' `_from_pretrained` hands it to the class."""
-    config_file = path / CONFIG_FILE
-    kwargs: dict[str, Any] = _read_json(config_file) if config_file.is_file() else {}
+def _init_kwargs(path: Path, kwargs: dict[str, Any], backend: RustTokenizer) -> dict[str, Any]:
+    """The config (`tokenizer_config.json`) as transformers' `_from_pretrained` hands it
+    to the tokenizer class."""
     kwargs.pop("tokenizer_class", None)
     kwargs.pop("init_inputs", None)
     # With a tokenizer.json its post-processor alone decides BOS and EOS.
@@ -283,10 +287,12 @@ def _read_legacy_special_tokens(path: Path, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _load(backend: RustTokenizer, kwargs: dict[str, Any]) -> Tokenizer:
-    """What `TokenizersBackend.__init__` (and the base class's) do with the kwargs."""
-    if backend.padding is not None:
-        kwargs.setdefault("pad_token", backend.padding["pad_token"])
+def _load(
+    backend: RustTokenizer, kwargs: dict[str, Any], readd_special_tokens: bool = False
+) -> Tokenizer:
+    """What `TokenizersBackend.__init__` (and the base class's) do with the kwargs;
+    `readd_special_tokens`: add every special token once more at the end (as
+    `Qwen2Tokenizer` does)."""
     # transformers' encode turns both off (for good) on its first call.
     backend.no_truncation()
     backend.no_padding()
@@ -339,6 +345,9 @@ def _load(backend: RustTokenizer, kwargs: dict[str, Any]) -> Tokenizer:
                 token.special = True
             tokens.append(token)
         backend.add_tokens(tokens)
+    if readd_special_tokens:
+        texts = dict.fromkeys(str(t) for t in [*named.values(), *extra] if t is not None)
+        backend.add_tokens([AddedToken(text, special=True) for text in texts])
     if backend.post_processor is None:  # transformers writes an empty template
         backend.post_processor = processors.TemplateProcessing(
             single="$A:0", pair="$A:0 $B:1", special_tokens=[]
@@ -360,6 +369,136 @@ def _cleans_up(backend: RustTokenizer, kwargs: Mapping[str, Any]) -> bool:
         return False
     force = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
     return type(backend.model).__name__ != "BPE" or bool(kwargs.get(force, False))
+
+
+# ----- the model-specific classes AutoTokenizer picks for pagefleet's architectures -------
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """What one of transformers' model-specific tokenizer classes does differently from
+    `TokenizersBackend`: it builds its own pipeline around tokenizer.json's vocabulary
+    and merges (keeping only its post-processor), with its own defaults for the config."""
+
+    name: str
+    # (vocab, merges, config) -> the Rust tokenizer the class's __init__ builds
+    pipeline: Callable[[dict[str, int], list[tuple[str, str]], Mapping[str, Any]], RustTokenizer]
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # its __init__'s defaults
+    readds: bool = False  # adds every special token once more after init
+
+    def rebuild(self, backend: RustTokenizer, kwargs: Mapping[str, Any]) -> RustTokenizer:
+        """The class's pipeline in place of `backend`'s."""
+        model = json.loads(backend.to_str())["model"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        rebuilt = self.pipeline(model["vocab"], merges, kwargs)  # type: ignore[arg-type]
+        rebuilt.post_processor = backend.post_processor
+        return rebuilt
+
+
+def _llama_pipeline(
+    vocab: dict[str, int], merges: list[tuple[str, str]], config: Mapping[str, Any]
+) -> RustTokenizer:
+    prefix_space = config.get("add_prefix_space")
+    prefix_space = True if prefix_space is None else bool(prefix_space)
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix_space else "never"
+    tokenizer = RustTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+# Qwen2Tokenizer's pre-tokenizing split (transformers' PRETOKENIZE_REGEX).
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _qwen2_pipeline(
+    vocab: dict[str, int], merges: list[tuple[str, str]], config: Mapping[str, Any]
+) -> RustTokenizer:
+    tokenizer = RustTokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+        )
+    )  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=bool(config.get("add_prefix_space") or False), use_regex=False
+            ),
+        ]
+    )
+    return tokenizer
+
+
+def _gpt2_pipeline(
+    vocab: dict[str, int], merges: list[tuple[str, str]], config: Mapping[str, Any]
+) -> RustTokenizer:
+    tokenizer = RustTokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False,
+        )
+    )  # fmt: skip
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(config.get("add_prefix_space", False))
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+ENDOFTEXT = "<|endoftext|>"
+LLAMA = ModelClass(
+    "LlamaTokenizer", _llama_pipeline, {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+)
+QWEN2 = ModelClass(
+    "Qwen2Tokenizer",
+    _qwen2_pipeline,
+    {"unk_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT},
+    readds=True,
+)
+GPT2 = ModelClass(
+    "GPT2Tokenizer",
+    _gpt2_pipeline,
+    {"unk_token": ENDOFTEXT, "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT},
+)
+
+
+def _model_class(path: Path, config: Mapping[str, Any], backend: RustTokenizer) -> ModelClass | None:
+    """The model-specific class AutoTokenizer loads this checkpoint with, for the model
+    types pagefleet serves (None: `TokenizersBackend`, tokenizer.json as it is)."""
+    model_file = path / MODEL_CONFIG_FILE
+    model_config = _read_json(model_file) if model_file.is_file() else {}
+    model_type = model_config.get("model_type")
+    declared = config.get("tokenizer_class") or model_config.get("tokenizer_class") or ""
+    declared = str(declared).removesuffix("Fast")
+    if "auto_map" in config or type(backend.model).__name__ != "BPE":
+        return None  # remote code, or a vocabulary these classes would misread
+    if model_type == "qwen2":  # transformers overrides the class the config names
+        return QWEN2
+    if model_type == "llama" and declared == GPT2.name:
+        return GPT2
+    if model_type == "llama" and declared == LLAMA.name:
+        # A byte-level vocabulary (Llama 3 style) loads as TokenizersBackend instead.
+        byte_level = '"ByteLevel"' in _read_text(path / TOKENIZER_FILE)
+        return None if byte_level else LLAMA
+    return None
+
+
+# ----- files ------------------------------------------------------------------------------
 
 
 def _token(name: str, value: Any) -> Token:
@@ -425,127 +564,3 @@ def _clean_up_tokenization(text: str) -> str:
         .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
         .replace(" 've", "'ve").replace(" 're", "'re")
     )  # fmt: skip
-
-
-# ----- chat templates: transformers' jinja2 environment ----------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (marks the assistant's tokens for training);
-    renders its body as it is."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja2's Extension API)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """`dict(...)` in a template, without the type itself (no attribute tricks)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's `namespace`, refusing underscore-prefixed attributes."""
-
-    # No `self` parameter, as in jinja2's Namespace: `namespace(self=...)` must work.
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
-                f"but got {name!r}. Please rename the attribute."
-            )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
-) -> str:  # fmt: skip
-    # Not jinja2's own: that one escapes HTML characters.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-@functools.lru_cache(maxsize=32)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A chat template compiled in transformers' sandbox (compiled once per text)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
-
-
-# The names a message's reasoning comes under; templates read the first.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning_fields(messages: list[Any]) -> list[Any]:
-    aliased = []
-    for message in messages:
-        if isinstance(message, dict):
-            reasoning = next(
-                (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
-            )
-            if reasoning is not None:
-                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        aliased.append(message)
-    return aliased
-
-
-def _plain(value: Any) -> Any:
-    """`value` rebuilt from plain JSON types, anything else a placeholder naming its type:
-    what a sandboxed template may see (transformers' `_plain_template_data`)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-__all__ = ["Tokenizer", "compile_chat_template"]
