@@ -205,8 +205,6 @@ class Tokenizer:
         return template
 
 
-
-
 # ----- loading, in the order of transformers' `_from_pretrained` and `__init__`s ---------
 
 
@@ -462,7 +460,9 @@ def _gpt2_pipeline(
 
 ENDOFTEXT = "<|endoftext|>"
 LLAMA = ModelClass(
-    "LlamaTokenizer", _llama_pipeline, {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    "LlamaTokenizer",
+    _llama_pipeline,
+    {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
 )
 QWEN2 = ModelClass(
     "Qwen2Tokenizer",
@@ -477,7 +477,9 @@ GPT2 = ModelClass(
 )
 
 
-def _model_class(path: Path, config: Mapping[str, Any], backend: RustTokenizer) -> ModelClass | None:
+def _model_class(
+    path: Path, config: Mapping[str, Any], backend: RustTokenizer
+) -> ModelClass | None:
     """The model-specific class AutoTokenizer loads this checkpoint with, for the model
     types pagefleet serves (None: `TokenizersBackend`, tokenizer.json as it is)."""
     model_file = path / MODEL_CONFIG_FILE
