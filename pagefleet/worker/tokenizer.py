@@ -369,6 +369,49 @@ def _cleans_up(backend: RustTokenizer, kwargs: Mapping[str, Any]) -> bool:
     return type(backend.model).__name__ != "BPE" or bool(kwargs.get(force, False))
 
 
+def _clean_up_tokenization(text: str) -> str:
+    return (
+        text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
+        .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
+        .replace(" 've", "'ve").replace(" 're", "'re")
+    )  # fmt: skip
+
+
+def _token(name: str, value: Any) -> Token:
+    if not isinstance(value, (str, AddedToken)):
+        raise ValueError(f"{CONFIG_FILE}: {name} must be a string or an AddedToken")
+    return value
+
+
+def _copy_token(token: AddedToken) -> AddedToken:
+    return AddedToken(**token.__getstate__())
+
+
+def _added_tokens_in(value: Any) -> Any:
+    """`value` with every `{"__type": "AddedToken", ...}` dict in it made an AddedToken."""
+    if isinstance(value, dict) and value.get("__type") == "AddedToken":
+        return AddedToken(**{k: v for k, v in value.items() if k != "__type"})
+    if isinstance(value, (list, tuple)):
+        return [_added_tokens_in(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _added_tokens_in(v) for k, v in value.items()}
+    return value
+
+
+def _chat_template_files(path: Path) -> str | dict[str, str] | None:
+    """The chat templates in files (they win over the config's): one text, several by name,
+    or None."""
+    templates: dict[str, str] = {}
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        templates["default"] = _read_text(path / CHAT_TEMPLATE_FILE)
+    if (path / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted((path / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = _read_text(file)
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return templates or None
+
+
 # ----- the model-specific classes AutoTokenizer picks for pagefleet's architectures -------
 
 
@@ -503,41 +546,6 @@ def _model_class(
 # ----- files ------------------------------------------------------------------------------
 
 
-def _token(name: str, value: Any) -> Token:
-    if not isinstance(value, (str, AddedToken)):
-        raise ValueError(f"{CONFIG_FILE}: {name} must be a string or an AddedToken")
-    return value
-
-
-def _copy_token(token: AddedToken) -> AddedToken:
-    return AddedToken(**token.__getstate__())
-
-
-def _added_tokens_in(value: Any) -> Any:
-    """`value` with every `{"__type": "AddedToken", ...}` dict in it made an AddedToken."""
-    if isinstance(value, dict) and value.get("__type") == "AddedToken":
-        return AddedToken(**{k: v for k, v in value.items() if k != "__type"})
-    if isinstance(value, (list, tuple)):
-        return [_added_tokens_in(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _added_tokens_in(v) for k, v in value.items()}
-    return value
-
-
-def _chat_template_files(path: Path) -> str | dict[str, str] | None:
-    """The chat templates in files (they win over the config's): one text, several by name,
-    or None."""
-    templates: dict[str, str] = {}
-    if (path / CHAT_TEMPLATE_FILE).is_file():
-        templates["default"] = _read_text(path / CHAT_TEMPLATE_FILE)
-    if (path / CHAT_TEMPLATE_DIR).is_dir():
-        for file in sorted((path / CHAT_TEMPLATE_DIR).glob("*.jinja")):
-            templates[file.name.removesuffix(".jinja")] = _read_text(file)
-    if list(templates) == ["default"]:
-        return templates["default"]
-    return templates or None
-
-
 def _read_text(file: Path) -> str:
     try:
         return file.read_text(encoding="utf-8")
@@ -558,11 +566,3 @@ def _read_json(file: Path) -> dict[str, Any]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _clean_up_tokenization(text: str) -> str:
-    return (
-        text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
-        .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
-        .replace(" 've", "'ve").replace(" 're", "'re")
-    )  # fmt: skip
