@@ -262,6 +262,11 @@ def test_an_unreadable_tokenizer_file_is_a_model_file_error_naming_it(tmp_path: 
     (tmp_path / "w" / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ModelFileError, match=r"tokenizer_config\.json: not a JSON object"):
         load_tokenizer(tmp_path / "w")
+    (tmp_path / "w" / "tokenizer_config.json").write_text(
+        '{"added_tokens_decoder": {"5": {"content": 5}}}'
+    )
+    with pytest.raises(ModelFileError, match=r"tokenizer_config\.json: TypeError"):
+        load_tokenizer(tmp_path / "w")
 
 
 def test_a_vocab_json_alone_names_tokenizer_json(tmp_path: Path) -> None:

@@ -99,15 +99,19 @@ class Tokenizer:
             raise ValueError(f"{file.name}: {_first_line(exc)}") from exc
         config_file = path / CONFIG_FILE
         config = _read_json(config_file) if config_file.is_file() else {}
-        model_class = _model_class(path, config, backend)
-        kwargs = _init_kwargs(path, dict(config), backend)
-        for key, value in (model_class.defaults if model_class else {}).items():
-            kwargs.setdefault(key, value)
-        if backend.padding is not None:
-            kwargs.setdefault("pad_token", backend.padding["pad_token"])
-        if model_class is not None:
-            backend = model_class.rebuild(backend, kwargs)
-        return _load(backend, kwargs, readd_special_tokens=bool(model_class and model_class.readds))
+        try:
+            model_class = _model_class(path, config, backend)
+            kwargs = _init_kwargs(path, dict(config), backend)
+            for key, value in (model_class.defaults if model_class else {}).items():
+                kwargs.setdefault(key, value)
+            if backend.padding is not None:
+                kwargs.setdefault("pad_token", backend.padding["pad_token"])
+            if model_class is not None:
+                backend = model_class.rebuild(backend, kwargs)
+            readds = bool(model_class and model_class.readds)
+            return _load(backend, kwargs, readd_special_tokens=readds)
+        except (TypeError, KeyError, AttributeError) as exc:  # a config of the wrong shape
+            raise ValueError(f"{CONFIG_FILE}: {type(exc).__name__}: {exc}") from exc
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the post-processor's BOS/EOS when `add_special_tokens`)."""
