@@ -203,7 +203,7 @@ class Front(Protocol):
         ...
 
     def tokenizer(self, pool: str) -> Any:
-        """The pool's HF tokenizer (None: the model has none)."""
+        """The pool's tokenizer (None: the model has none)."""
         ...
 
     def status(self, pool: str | None = None, tenant: TenantConfig | None = None) -> list[PoolStatus]:

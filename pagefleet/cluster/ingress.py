@@ -288,7 +288,7 @@ class Ingress:
             raise unknown_pool(name) from None
 
     def tokenizer(self, pool: str) -> Any:
-        """The HF tokenizer of a pool (NOT_FOUND for an unknown pool); e.g. for chat templates."""
+        """The tokenizer of a pool (NOT_FOUND for an unknown pool); e.g. for chat templates."""
         return self._prompts.tokenizer(self.pool_config(pool))
 
     # ----- status -------------------------------------------------------

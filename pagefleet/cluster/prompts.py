@@ -25,7 +25,8 @@ INLINE_TOKENIZE_CHARS = 4096
 # A lower bound on characters per token for the prompt-length check (byte-fallback
 # and <unk> tokens may stand for more characters than their own spelling).
 MIN_CHARS_PER_TOKEN = 8
-# HF tokenizers report a huge model_max_length when the model's limit is unknown.
+# Tokenizers report a huge model_max_length (transformers' 1e30) when the model's limit
+# is unknown.
 UNKNOWN_MODEL_LEN = 10**7
 # Token ids travel as int32 on gRPC; no vocabulary comes near it. The engine checks
 # the model's vocabulary; this bound keeps hashing safe first.
@@ -41,7 +42,7 @@ class Prompts:
         self._adapter_ids: dict[tuple[str, str], str] = {}
 
     def tokenizer(self, pool: PoolConfig) -> Any:
-        """The pool's HF tokenizer, loaded on first use (None: the model has none)."""
+        """The pool's tokenizer, loaded on first use (None: the model has none)."""
         if pool.name not in self._tokenizers:
             self._tokenizers[pool.name] = load_tokenizer(str(pool.engine.model))
         return self._tokenizers[pool.name]
@@ -141,7 +142,7 @@ def check_prompt_text(prompt: str, max_chars: int | None) -> None:
 
 
 def load_tokenizer(model: str) -> Any:
-    """The HF tokenizer of a pool's model, resolved as the workers do (None: it has none)."""
+    """The tokenizer of a pool's model, resolved as the workers do (None: it has none)."""
     from pagefleet.worker import model_files
 
     return model_files.load_tokenizer(model_files.resolve_model_path(model))

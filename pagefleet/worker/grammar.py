@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagefleet.worker.structured_output import StructuredOutput
+from pagefleet.worker.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -102,11 +103,7 @@ class Grammars:
             if self._compiler is None:
                 if self._tokenizer is None:
                     raise GrammarError("structured output needs a tokenizer; this model has none")
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer,
-                    vocab_size=self._vocab_size,
-                    stop_token_ids=self._stop_token_ids or None,
-                )
+                info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 # Our LRU is the cache: xgrammar's own would hold a second copy.
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=COMPILE_THREADS, cache_enabled=False
@@ -154,6 +151,57 @@ class Grammars:
     def __len__(self) -> int:
         with self._lock:
             return len(self._compiled)
+
+
+def tokenizer_info(
+    tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequence[int] | None
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of a tokenizer: ours, or an HF one (`TokenizerInfo.from_huggingface`).
+
+    For ours, the fast-tokenizer branch of `from_huggingface` (which only takes a
+    transformers class): the vocabulary by id, and the vocabulary's encoding and
+    prefix space read from tokenizer.json, or from the vocabulary itself where the
+    two disagree. xgrammar's two detectors are private (pinned to 0.2 in
+    pyproject.toml); tests/test_tokenizer.py checks the result equals
+    `from_huggingface`'s on the HF tokenizer, masks included.
+    """
+    import xgrammar as xgr
+
+    stops = list(stop_token_ids) if stop_token_ids else None
+    if not isinstance(tokenizer, Tokenizer):
+        return xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stops
+        )
+    vocab = tokenizer.get_vocab()
+    size = vocab_size or max(len(vocab), max(vocab.values()) + 1)
+    encoded = [""] * size
+    for token, token_id in vocab.items():
+        if token_id < size:
+            encoded[token_id] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_tokenizer.to_str())
+    vocab_type, add_prefix_space = metadata["vocab_type"], metadata["add_prefix_space"]
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != vocab_type:
+        vocab_type, add_prefix_space = from_vocab, _prefix_space_on_encoding(tokenizer, from_vocab)
+    if stops is None and tokenizer.eos_token_id is not None:
+        stops = [tokenizer.eos_token_id]
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=vocab_type,
+        vocab_size=size,
+        stop_token_ids=stops,
+        add_prefix_space=add_prefix_space,
+    )
+
+
+def _prefix_space_on_encoding(tokenizer: Tokenizer, vocab_type: xgr.VocabType) -> bool:
+    """Whether encoding "a" gives a token that starts with the vocabulary's space mark."""
+    import xgrammar as xgr
+
+    ids = tokenizer.encode("a", add_special_tokens=False)
+    first = tokenizer.backend_tokenizer.id_to_token(ids[0]) if ids else None
+    mark = "\u2581" if vocab_type == xgr.VocabType.BYTE_FALLBACK else "\u0120"
+    return first is not None and first.startswith(mark)
 
 
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
@@ -240,4 +288,4 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -
     return logits
 
 
-__all__ = ["GrammarError", "Grammars", "TokenMatcher", "mask_logits"]
+__all__ = ["GrammarError", "Grammars", "TokenMatcher", "mask_logits", "tokenizer_info"]

@@ -46,7 +46,8 @@ class LLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's HF tokenizer."""
+        """The model's tokenizer (`pagefleet.worker.tokenizer.Tokenizer`; None without
+        tokenizer files)."""
         return self.engine.tokenizer
 
     def generate(

@@ -31,10 +31,13 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagefleet.cache_root import default_cache_root
 from pagefleet.worker import progress
+
+if TYPE_CHECKING:
+    from pagefleet.worker.tokenizer import Tokenizer
 
 TINY = "tiny"
 GGUF_CACHE_SUBDIR = "gguf"
@@ -136,28 +139,30 @@ def has_tokenizer_files(path: Path) -> bool:
     return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
-def load_tokenizer(path: Path) -> Any | None:
-    """The HF tokenizer of a checkpoint directory; None when it ships no tokenizer files.
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory (see `pagefleet.worker.tokenizer`); None
+    when it ships no tokenizer files.
 
     A model without a tokenizer is served from token ids. A tokenizer that is
     present but cannot be read is a ModelFileError naming its file.
     """
     if not has_tokenizer_files(path):
         return None
-    if not (path / "tokenizer.json").is_file() and not (path / "vocab.json").is_file():
-        # Only a sentencepiece model: transformers would need the sentencepiece package
-        # and answers with advice to install it. We serve fast tokenizers only.
+    if not (path / "tokenizer.json").is_file():
+        # A sentencepiece model or a vocab.json alone: transformers builds the pipeline
+        # from its model-specific classes (and needs the sentencepiece package for the
+        # first). We read the pipeline tokenizer.json writes down.
+        only = next(f for f in TOKENIZER_FILES if (path / f).is_file())
         raise ModelFileError(
-            f"{path}: tokenizer.json is missing (only tokenizer.model is there; convert it "
+            f"{path}: tokenizer.json is missing (only {only} is there; convert it "
             f"to a fast tokenizer with tokenizer.save_pretrained)"
         )
-    from transformers import AutoTokenizer
+    from pagefleet.worker.tokenizer import Tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises many kinds; the user needs one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelFileError(f"{path}: cannot load the tokenizer: {first}") from exc
+        return Tokenizer.from_dir(path)
+    except (OSError, ValueError) as exc:  # the message names the file
+        raise ModelFileError(f"{path}: cannot load the tokenizer: {exc}") from exc
 
 
 # ----- GGUF ------------------------------------------------------------------------------
