@@ -10,6 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from pagefleet.cluster.app import start_local_ray  # noqa: E402
 from pagefleet.scheduler.actor import (  # noqa: E402
     SCHEDULER_NAME,
     ReportAck,
@@ -38,7 +39,7 @@ NAMESPACE = "pagefleet-test-scheduler"
 def ray_session() -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+        start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -13,12 +13,13 @@ import pytest
 import ray
 import torch
 
+from pagefleet.cluster.app import start_local_ray
 from pagefleet.worker.actor import resolve_device
 
 
 @pytest.fixture(scope="module")
 def ray_with_a_gpu() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False, logging_level="ERROR")
+    start_local_ray(num_cpus=1, num_gpus=1, logging_level="ERROR")
     try:
         yield
     finally:

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from pagefleet import LLM, SamplingParams
+from pagefleet.cluster.app import start_local_ray
 from pagefleet.worker import model_files
 from pagefleet.worker.actor import WorkerActor
 from pagefleet.worker.config import EngineConfig
@@ -194,7 +195,7 @@ def local_ray() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    start_local_ray(num_cpus=1, logging_level="ERROR")
     try:
         yield
     finally:

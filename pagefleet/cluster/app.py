@@ -240,7 +240,7 @@ def start_cluster(
                 # bare ray.init() joins $RAY_ADDRESS or the cluster a past `ray start` left in
                 # Ray's address file (and then refuses num_cpus), even when that cluster is gone.
                 started_ray = True
-                _start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)))
+                start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)))
             else:
                 use_cluster_token()
                 joined_ray = True
@@ -347,9 +347,10 @@ RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 GCS_PORT_WAIT_S = "120"
 
 
-def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
-    """`ray.init` of a local Ray of our own; a start-up that times out (a starved machine can
-    miss Ray's waits for its raylet and its GCS) is stopped and tried again."""
+def start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS, **options: Any) -> None:
+    """`ray.init` of a local Ray of our own (more `ray.init` keywords in `options`); a
+    start-up that times out (a starved machine can miss Ray's waits for its raylet and its
+    GCS) is stopped and tried again."""
     import psutil
 
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
@@ -357,7 +358,11 @@ def _start_local_ray(num_cpus: int, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             with signals_blocked(RAY_SPARED_SIGNALS):
-                ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False)
+                ray.init(
+                    **{"namespace": NAMESPACE, "include_dashboard": False, **options},
+                    address="local",
+                    num_cpus=num_cpus,
+                )
             return
         except Exception as exc:  # Ray's own start-up failed
             # Its half-started node is not Ray's to stop (ray.init raised before keeping
