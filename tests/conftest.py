@@ -37,6 +37,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _module_rank(items: list[pytest.Item]) -> int:
+    """0 for a module that starts a Ray cluster, 1 for one marked slow, 2 for the rest."""
+    marks = {mark.name for item in items for mark in item.iter_markers()}
+    return 0 if "cluster" in marks else 1 if "slow" in marks else 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cluster modules first, then the slow ones, each module's tests kept together and
+    in order: pytest-xdist's `--dist loadfile` hands out modules in this order, so the long
+    ones start early and the short ones fill the end, instead of one cluster module
+    running alone at the end while the other test processes sit idle."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ordered = sorted(modules.values(), key=_module_rank)  # stable: file order within a rank
+    items[:] = [item for module in ordered for item in module]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_ray_left_connected() -> Iterator[None]:
     """Each module starts without Ray connected in this process, whichever module ran

@@ -215,7 +215,7 @@ def test_a_scale_out_that_starts_only_some_workers_removes_the_started_ones_agai
     try:
         # Two more, though only one fits: nodes are said to be on their way (an autoscaler),
         # so nothing is refused up front; one loads, the other is never placed.
-        args = ["scale", "--pool", "default", "--workers", "3", "--timeout", "60", "--wait-for-nodes"]
+        args = ["scale", "--pool", "default", "--workers", "3", "--timeout", "30", "--wait-for-nodes"]
         assert main(args) == 2
         # One line (Ray's own log lines of the cluster's actors may come with it).
         lines = capsys.readouterr().err.splitlines()
@@ -224,7 +224,7 @@ def test_a_scale_out_that_starts_only_some_workers_removes_the_started_ones_agai
         remove_placement_group(hog)
     rolled_back = re.search(
         r"scale of pool 'default' to 3 failed and was rolled back \(removed (default-\d+) again; "
-        r"the pool keeps 1\): worker (default-\d+) did not start within 60s: ", err
+        r"the pool keeps 1\): worker (default-\d+) did not start within 30s: ", err
     )  # fmt: skip
     assert rolled_back, err
     started, unplaced = rolled_back.groups()
