@@ -613,7 +613,7 @@ def main() -> None:
     # The floor through HF's own layers (F.linear) and, when the engine took the CPU fast
     # path, through the engine's fused and packed layers: the floor is the faster of the two.
     floor_models = {"floor_linear": hf}
-    if llm.engine.runner.fast_cpu_layers:
+    if llm.engine.runner.cpu_gemm is not None:
         floor_models["floor_packed"] = llm.engine.runner.model
     for _ in range(args.rounds):
         for key, model in floor_models.items():

@@ -1,13 +1,13 @@
-"""The CPU float32 fast path: fused q/k/v and gate/up, weights packed for MKL's GEMM.
+"""The CPU float32 fast path: fused q/k/v and gate/up, weights packed for the CPU's GEMM.
 
-A float32 model on the CPU is rewritten at load (`pagefleet.worker.cpu_linear`);
-float64, `PAGEFLEET_CPU_PACKED=off` and projections a LoRA adapter wraps keep
-the plain modules. The fast path's logits are compared with the same model on the
-plain modules and `F.linear`, in the same process, over the same paged steps.
-They agree to float32 round-off, not bit for bit: MKL's packed GEMM sums like
-`F.linear` from 16 rows up (bit-identical on the machines measured), but for
-fewer rows `F.linear` takes another MKL kernel, with another summation order.
-Greedy tokens must be identical.
+A float32 model on the CPU is rewritten at load (`pagefleet.worker.cpu_linear`),
+for each packed GEMM this torch has (MKL's, oneDNN's); float64,
+`PAGEFLEET_CPU_PACKED=off` and projections a LoRA adapter wraps keep the plain
+modules. The fast path's logits are compared with the same model on the plain
+modules and `F.linear`, in the same process, over the same paged steps. They
+agree to float32 round-off, not bit for bit (MKL's packed GEMM sums like
+`F.linear` from 16 rows up, oneDNN's in its own order). Greedy tokens must be
+identical.
 """
 
 from __future__ import annotations
@@ -22,21 +22,25 @@ from lora_adapters import build_lora_adapter
 
 from pagefleet import LLM, SamplingParams
 from pagefleet.worker.cpu_linear import (
+    MKL,
+    ONEDNN,
     SWITCH_ENV,
     FusedGateUpMLP,
     FusedQKVAttention,
     PackedLinear,
-    cpu_fast_path_applies,
+    available_backends,
+    gemm_backend,
 )
 from pagefleet.worker.kv_cache import KVCache
 from pagefleet.worker.llama import Attention
 from pagefleet.worker.lora import LoRALinear
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 
+BACKENDS = available_backends()
 pytestmark = pytest.mark.skipif(
-    not cpu_fast_path_applies(torch.device("cpu"), torch.float32),
-    reason="torch has no MKL packed GEMM here: the fast path does not apply",
+    not BACKENDS, reason="torch has no packed GEMM here (MKL, oneDNN): the fast path does not apply"
 )
+CPU = torch.device("cpu")
 
 BLOCK_SIZE = 8
 PROMPT_LENS = (3, 9, 17, 30)
@@ -49,11 +53,11 @@ def _model(arch: str, tmp_path: Path, **overrides: object) -> Path:
     return build_tiny_hf_model(arch, tmp_path, dtype=torch.float32, **overrides)
 
 
-def _runner(model_dir: Path, monkeypatch: pytest.MonkeyPatch, packed: bool,
+def _runner(model_dir: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None,
             **kwargs: object) -> ModelRunner:  # fmt: skip
+    """A runner on `backend`'s packed GEMM, or on the plain modules (None)."""
     with monkeypatch.context() as env:
-        if not packed:
-            env.setenv(SWITCH_ENV, "off")
+        env.setenv(SWITCH_ENV, backend or "off")
         runner = ModelRunner(model_dir, dtype="float32", **kwargs)  # type: ignore[arg-type]
     runner.bind_kv_cache(KVCache(runner.model_shape, 64, BLOCK_SIZE))
     return runner
@@ -90,16 +94,36 @@ def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]]) -> list[
     return [first, runner.execute(decode)]
 
 
-def test_a_float32_cpu_model_runs_on_fused_packed_layers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_default_gemm_is_mkl_on_intel_and_onednn_elsewhere_and_the_switch_overrides(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    runner = _runner(_model("llama", tmp_path), monkeypatch, packed=True)
-    assert runner.fast_cpu_layers
+    intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    wanted = [MKL, ONEDNN] if intel else [ONEDNN, MKL]
+    monkeypatch.delenv(SWITCH_ENV, raising=False)
+    assert gemm_backend(CPU, torch.float32) == next(b for b in wanted if b in BACKENDS)
+    for backend in BACKENDS:
+        monkeypatch.setenv(SWITCH_ENV, backend.upper())
+        assert gemm_backend(CPU, torch.float32) == backend
+    monkeypatch.setenv(SWITCH_ENV, "off")
+    assert gemm_backend(CPU, torch.float32) is None
+    monkeypatch.delenv(SWITCH_ENV)
+    assert gemm_backend(CPU, torch.float64) is None
+    assert gemm_backend(torch.device("meta"), torch.float32) is None
+    with pytest.raises(ValueError, match="must be 'mkl' or 'onednn', got 'blas'"):
+        PackedLinear(torch.nn.Linear(4, 4), "blas")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float32_cpu_model_runs_on_fused_packed_layers(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = _runner(_model("llama", tmp_path), monkeypatch, backend)
+    assert runner.cpu_gemm == backend
     for layer in runner.model.model.layers:
         assert isinstance(layer.self_attn, FusedQKVAttention)
         assert isinstance(layer.mlp, FusedGateUpMLP)
     linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    assert linears and all(isinstance(m, PackedLinear) and m.backend == backend for m in linears)
     assert isinstance(runner.model.get_output_embeddings(), PackedLinear)
 
 
@@ -107,24 +131,25 @@ def test_float64_and_the_switch_keep_the_plain_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir = _model("llama", tmp_path)
-    off = _runner(model_dir, monkeypatch, packed=False)
+    off = _runner(model_dir, monkeypatch, None)
     exact = ModelRunner(model_dir, dtype="float64")
     for runner in (off, exact):
-        assert not runner.fast_cpu_layers
+        assert runner.cpu_gemm is None
         assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
         assert type(runner.model.model.layers[0].self_attn) is Attention
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fast_path_logits_equal_the_plain_modules_to_float32_round_off(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Qwen2 brings q/k/v biases; Mistral a sliding window shorter than the longest prompt.
     overrides = {"sliding_window": 8} if arch == "mistral" else {}
     model_dir = _model(arch, tmp_path, **overrides)
     prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENS]
-    fast = _prefill_then_decode(_runner(model_dir, monkeypatch, packed=True), prompts)
-    plain = _prefill_then_decode(_runner(model_dir, monkeypatch, packed=False), prompts)
+    fast = _prefill_then_decode(_runner(model_dir, monkeypatch, backend), prompts)
+    plain = _prefill_then_decode(_runner(model_dir, monkeypatch, None), prompts)
     for got, want in zip(fast, plain, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
         assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
@@ -136,23 +161,24 @@ def test_fast_path_greedy_tokens_equal_the_plain_modules_through_the_engine(
     model_dir = _model("llama", tmp_path)
     prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENS]
     outs = {}
-    for packed in (True, False):
+    for backend in [None, *BACKENDS]:
         with monkeypatch.context() as env:
-            if not packed:
-                env.setenv(SWITCH_ENV, "off")
+            env.setenv(SWITCH_ENV, backend or "off")
             llm = LLM(model=model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=64)
-        assert llm.engine.runner.fast_cpu_layers is packed
-        outs[packed] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert outs[True] == outs[False]
+        assert llm.engine.runner.cpu_gemm == backend
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    for backend in BACKENDS:
+        assert outs[backend] == outs[None], backend
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_wrapped_projections_stay_unfused_on_packed_bases(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir = _model("llama", tmp_path)
     adapter = build_lora_adapter(model_dir, tmp_path / "attn", seed=1, rank=4,
                                  target_modules=("q_proj", "v_proj"))  # fmt: skip
-    runner = _runner(model_dir, monkeypatch, packed=True, lora_adapters={"attn": adapter})
+    runner = _runner(model_dir, monkeypatch, backend, lora_adapters={"attn": adapter})
     for layer in runner.model.model.layers:
         attn = layer.self_attn
         assert type(attn) is Attention  # q/v wrapped: not fused
@@ -161,15 +187,29 @@ def test_lora_wrapped_projections_stay_unfused_on_packed_bases(
         assert isinstance(layer.mlp, FusedGateUpMLP)  # no adapter on the MLP
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [1, 5, 15, 16, 40])
-def test_packed_linear_matches_f_linear_on_any_leading_shape(rows: int) -> None:
+def test_packed_linear_matches_f_linear_on_any_leading_shape(rows: int, backend: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(48, 80)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(80, 48, generator=gen))
         linear.bias.copy_(torch.randn(80, generator=gen))
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear, backend)
     x = torch.randn(1, rows, 48, generator=gen)
     got = packed(x)
     assert got.shape == (1, rows, 80)
     torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(ONEDNN not in BACKENDS, reason="torch has no oneDNN packed GEMM here")
+def test_onednn_gives_each_row_the_same_output_whatever_the_batch_around_it() -> None:
+    gen = torch.Generator().manual_seed(7)
+    linear = torch.nn.Linear(576, 960, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(960, 576, generator=gen) * 0.05)
+    packed = PackedLinear(linear, ONEDNN)
+    x = torch.randn(64, 576, generator=gen)
+    full = packed(x)
+    for rows in (1, 5, 16, 33):
+        assert torch.equal(packed(x[:rows]), full[:rows]), rows

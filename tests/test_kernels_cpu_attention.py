@@ -259,3 +259,20 @@ def test_a_cache_root_that_cannot_be_written_gives_way_to_the_temporary_director
     (fresh_build / "tmp").mkdir()
     assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
     assert len(list((fresh_build / "tmp" / "pagefleet-kernels").glob("cpu_decode-*.so"))) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_decode_kernel_gives_the_same_bits_on_one_thread_or_several(dtype: torch.dtype) -> None:
+    # Sequences are shared out over torch's threads; each is computed whole by one.
+    b = batch([1] * 9, [3, 40, 7, 65, 9, 17, 1, 33, 24], dtype, seed=21)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(paged_attention_cpu(*b.kernel_args(), 32**-0.5))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(b, 32**-0.5),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])

@@ -18,6 +18,11 @@
  * CPU has it) and takes e^x from an 8-lane polynomial (within 1 ulp of expf);
  * float64 over a float64 cache (the exact path) takes libm's exp.
  *
+ * Sequences are shared out over `threads` OpenMP threads. Built with -fopenmp, the
+ * library needs libgomp.so.1, which torch's CPU build has already loaded: the
+ * kernel runs on torch's own thread pool, not a second one beside it (without
+ * OpenMP the pragmas are ignored and it runs on the calling thread).
+ *
  * Built by pagefleet/kernels/cpu_decode.py with the system C compiler on first
  * use, loaded through ctypes, which releases the GIL for the call.
  */
@@ -207,41 +212,51 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
              int64_t table_stride, const int64_t *seq, const int64_t *start,                  \
              const int64_t *ctx, int64_t n_seqs, int64_t block_size, int64_t kv_heads,        \
              int64_t group, int64_t head_dim, double scale, T *out,                           \
-             int64_t out_row_stride) {                                                        \
+             int64_t out_row_stride, int64_t threads) {                                       \
         if (kv_heads * head_dim > MAX_ROW || head_dim % 8 != 0 || head_dim / W > MAX_CHUNKS) \
-            return -2;                    \
+            return -2;                                                                        \
         int64_t longest = 1;                                                                  \
         for (int64_t i = 0; i < n_seqs; i++)                                                  \
             if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
         longest = (longest + W - 1) / W * W;                                                  \
         const int64_t heads = kv_heads * group;                                               \
-        T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                            \
-        /* Vectors are 32-byte aligned: malloc promises 16 only. */                           \
-        VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));             \
-        if (scores == NULL || acc == NULL) {                                                  \
+        int failed = 0;                                                                       \
+        /* Sequences are shared out one at a time (their contexts differ in length), each   \
+           thread with scratch rows of its own. */                                           \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_seqs > 1)")           \
+        {                                                                                     \
+            T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                        \
+            /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
+            VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));         \
+            T row_buf[MAX_ROW];                                                               \
+            const int ok = scores != NULL && acc != NULL;                                     \
+            if (!ok) {                                                                        \
+                _Pragma("omp atomic write")                                                   \
+                failed = 1;                                                                   \
+            }                                                                                 \
+            _Pragma("omp for schedule(dynamic, 1)")                                           \
+            for (int64_t i = 0; i < n_seqs; i++) {                                            \
+                if (!ok) continue;                                                            \
+                const int32_t *table = tables + seq[i] * table_stride;                        \
+                const T *qr = q + rows[i] * q_row_stride;                                     \
+                T *o = out + rows[i] * out_row_stride;                                        \
+                if (head_dim == 64)                                                           \
+                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
+                               kv_heads, group, 64, (T)scale, scores, longest, acc, row_buf,  \
+                               o);                                                            \
+                else if (head_dim == 128)                                                     \
+                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
+                               kv_heads, group, 128, (T)scale, scores, longest, acc, row_buf, \
+                               o);                                                            \
+                else                                                                          \
+                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
+                               kv_heads, group, head_dim, (T)scale, scores, longest, acc,     \
+                               row_buf, o);                                                   \
+            }                                                                                 \
             free(scores);                                                                     \
             free(acc);                                                                        \
-            return -1;                                                                        \
         }                                                                                     \
-        T row_buf[MAX_ROW];                                                                   \
-        for (int64_t i = 0; i < n_seqs; i++) {                                                \
-            const int32_t *table = tables + seq[i] * table_stride;                            \
-            const T *qr = q + rows[i] * q_row_stride;                                         \
-            T *o = out + rows[i] * out_row_stride;                                            \
-            if (head_dim == 64)                                                               \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
-                           kv_heads, group, 64, (T)scale, scores, longest, acc, row_buf, o);  \
-            else if (head_dim == 128)                                                         \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
-                           kv_heads, group, 128, (T)scale, scores, longest, acc, row_buf, o); \
-            else                                                                              \
-                NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,        \
-                           kv_heads, group, head_dim, (T)scale, scores, longest, acc,         \
-                           row_buf, o);                                                       \
-        }                                                                                     \
-        free(scores);                                                                         \
-        free(acc);                                                                            \
-        return 0;                                                                             \
+        return failed ? -1 : 0;                                                               \
     }
 
 #define DEFINE_F32(NAME, KV_T, WIDEN) \

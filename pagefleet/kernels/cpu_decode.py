@@ -33,9 +33,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-# Where the compiler refuses -march=native (some Apple clang releases): the baseline ISA.
-PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11", "-fopenmp")
+# Where the compiler refuses -march=native (some Apple clang releases): the baseline ISA;
+# where it has no OpenMP: one thread.
+FALLBACK_FLAGS = (
+    tuple(f for f in FLAGS if f != "-march=native"),
+    tuple(f for f in FLAGS if f not in ("-march=native", "-fopenmp")),
+)
 
 # (query dtype, cache dtype) -> the C function for them.
 _FUNCTIONS = {
@@ -52,6 +56,7 @@ _ARGTYPES = [
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # n_seqs, block_size, kv_heads
     ctypes.c_int64, ctypes.c_int64, ctypes.c_double,  # group, head_dim, scale
     ctypes.c_void_p, ctypes.c_int64,  # out, out_row_stride
+    ctypes.c_int64,  # threads
 ]  # fmt: skip
 
 DecodeKernel = Callable[..., None]
@@ -78,7 +83,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     """Compile the kernel into the cache (atomically: concurrent builds are harmless),
-    with `FLAGS`, else `PORTABLE_FLAGS`; a cache root that cannot be written gives way
+    with `FLAGS`, else each of `FALLBACK_FLAGS` in turn; a cache root that cannot be written gives way
     to the temporary directory."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
@@ -101,7 +106,7 @@ def _build(compiler: str) -> Path:
         os.close(fd)
         try:
             errors = []
-            for flags in (FLAGS, PORTABLE_FLAGS):
+            for flags in (FLAGS, *FALLBACK_FLAGS):
                 done = subprocess.run(
                     [compiler, *flags, "-o", scratch, str(SOURCE), "-lm"],
                     capture_output=True, text=True, timeout=120, check=False,
@@ -179,7 +184,7 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
             num_kv_heads * head_dim, rows.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq.data_ptr(), start.data_ptr(), ctx.data_ptr(),
             rows.shape[0], block_size, num_kv_heads, num_q_heads // num_kv_heads, head_dim,
-            scale, out.data_ptr(), out.stride(0),
+            scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         if status == -1:
             raise MemoryError("the CPU decode kernel could not allocate its scratch rows")

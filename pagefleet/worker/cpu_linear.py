@@ -8,21 +8,27 @@ in place, once, at load, for a float32 model on the CPU:
 - each MLP's gate/up projections become one GEMM (`FusedGateUpMLP`), the
   activation's product taken in place;
 - every linear layer left (the fused ones, o/down, the LM head) holds its
-  weight packed for MKL's GEMM (`PackedLinear`), packed once here instead of
-  inside every call.
+  weight packed once here, instead of inside every call, for the GEMM of
+  this CPU (`PackedLinear`, `gemm_backend`): MKL's on Intel CPUs, oneDNN's
+  elsewhere (MKL runs its slow generic kernels on AMD's: 2.2-4x slower than
+  oneDNN's on the same shapes, benchmarks/cpu_gemm.py).
 
 Elementwise, everything is computed by the same operations in the same order;
 only the GEMM kernel differs (see `PackedLinear`).
 Projections a LoRA adapter wraps (`LoRALinear`) are not fused: their layer
 keeps its module and the wrapped base layer is packed in place, so the LoRA
 delta still adds onto the base projection's output.
-`PAGEFLEET_CPU_PACKED=off` (read at load) keeps the plain modules and `F.linear`.
+`PAGEFLEET_CPU_PACKED` (read at load): `off` keeps the plain modules and
+`F.linear`; `mkl` or `onednn` picks that GEMM (where torch has it) over the
+CPU's default.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,26 +41,57 @@ from pagefleet.worker.llama import Attention, GatedMLP, PagedAttentionMetadata, 
 # rows slow down batches larger than that (benchmarks/cpu_gemm.py, docs/benchmarks.md 14).
 PACK_ROWS = 2048
 SWITCH_ENV = "PAGEFLEET_CPU_PACKED"
+MKL, ONEDNN = "mkl", "onednn"
 
 
-def cpu_fast_path_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `accelerate_cpu_layers` applies: float32 weights on the CPU, MKL in torch,
-    and `PAGEFLEET_CPU_PACKED` not `off`."""
-    if os.environ.get(SWITCH_ENV, "").strip().lower() == "off":
-        return False
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkl.is_available():
-        return False
+def _has_op(namespace: str, name: str) -> bool:
     try:
-        torch.ops.mkl._mkl_linear  # noqa: B018  (absent from builds without MKL's packed GEMM)
-    except (AttributeError, RuntimeError):
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):  # a build without that library's packed GEMM
         return False
     return True
 
 
-class PackedLinear(nn.Module):
-    """A float32 linear layer on the CPU whose weight is held in MKL's packed GEMM format.
+def available_backends() -> list[str]:
+    """The packed float32 GEMMs this torch build has."""
+    found = []
+    if torch.backends.mkl.is_available() and _has_op("mkl", "_mkl_linear"):
+        found.append(MKL)
+    if torch.backends.mkldnn.is_available() and _has_op("mkldnn", "_linear_pointwise"):
+        found.append(ONEDNN)
+    return found
 
-    `torch.ops.mkl._mkl_linear` over a weight packed once by
+
+@functools.cache
+def _intel_cpu() -> bool:
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def gemm_backend(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The packed GEMM `accelerate_cpu_layers` uses for float32 weights on the CPU
+    (`MKL` on an Intel CPU, else `ONEDNN`; `PAGEFLEET_CPU_PACKED` may name either), or
+    None: another device or dtype, `PAGEFLEET_CPU_PACKED=off`, or no packed GEMM in torch."""
+    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if switch == "off" or device.type != "cpu" or dtype != torch.float32:
+        return None
+    found = available_backends()
+    preferred = [switch] if switch in (MKL, ONEDNN) else []
+    preferred += [MKL, ONEDNN] if _intel_cpu() else [ONEDNN, MKL]
+    return next((b for b in preferred if b in found), None)
+
+
+class PackedLinear(nn.Module):
+    """A float32 linear layer on the CPU whose weight is held packed for one GEMM.
+
+    oneDNN (`ONEDNN`): `torch.ops.mkldnn._linear_pointwise` over a weight reordered
+    once by `torch.ops.mkldnn._reorder_linear_weight`, what inductor and vLLM's CPU
+    backend run for a float32 linear layer. Each row's output is the same whatever
+    the batch around it; it agrees with `F.linear` to float32 round-off.
+
+    MKL (`MKL`): `torch.ops.mkl._mkl_linear` over a weight packed once by
     `torch.ops.mkl._mkl_reorder_linear_weight` (`cblas_sgemm_pack`), as
     inductor compiles a float32 linear layer with weight prepacking on: the
     GEMM (`cblas_sgemm_compute`) no longer packs the weight on every call.
@@ -68,27 +105,38 @@ class PackedLinear(nn.Module):
     broadcast stand-in that carries the shape alone.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, backend: str = MKL) -> None:
         super().__init__()
+        if backend not in (MKL, ONEDNN):
+            raise ValueError(f"packed GEMM backend must be {MKL!r} or {ONEDNN!r}, got {backend!r}")
+        self.backend = backend
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        # Plain attributes, not buffers: an opaque MKL tensor cannot be moved or saved.
-        self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
+        # Plain attributes, not buffers: an opaque packed tensor cannot be moved or saved.
+        if backend == ONEDNN:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        else:
+            self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
         self._shape_only = weight.new_zeros(1, 1).expand(self.out_features, self.in_features)
         self.bias: torch.Tensor | None = (
             None if linear.bias is None else linear.bias.detach().clone()
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
+        if self.backend == ONEDNN:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return out
         rows = x.numel() // self.in_features
-        out: torch.Tensor = torch.ops.mkl._mkl_linear(
-            x, self.packed_weight, self._shape_only, self.bias, rows
-        )
+        out = torch.ops.mkl._mkl_linear(x, self.packed_weight, self._shape_only, self.bias, rows)
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=mkl"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"packed={self.backend}"
+        )
 
 
 def fuse_linears(layers: Sequence[Any]) -> nn.Linear:
@@ -165,17 +213,17 @@ def _plain(module: Any) -> bool:
     return type(module) is nn.Linear
 
 
-def _pack(module: Any) -> nn.Module:
-    return PackedLinear(module) if _plain(module) else module  # type: ignore[no-any-return]
-
-
-def accelerate_cpu_layers(model: Any) -> None:
-    """Fuse and pack the decoder layers of a float32 CPU model in place.
+def accelerate_cpu_layers(model: Any, backend: str) -> None:
+    """Fuse the decoder layers of a float32 CPU model and pack them for `backend`, in place.
 
     A layer whose attention or MLP projections a LoRA adapter wraps
     (`LoRALinear`) keeps that module; every plain `nn.Linear` left, a
     `LoRALinear`'s base included, is packed.
     """
+
+    def _pack(module: Any) -> nn.Module:
+        return PackedLinear(module, backend) if _plain(module) else module  # type: ignore[no-any-return]
+
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(attn, Attention) and all(
@@ -191,4 +239,4 @@ def accelerate_cpu_layers(model: Any) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if _plain(child):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, backend))

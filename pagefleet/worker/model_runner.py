@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagefleet.kernels.cpu_decode import decode_kernel
-from pagefleet.worker.cpu_linear import accelerate_cpu_layers, cpu_fast_path_applies
+from pagefleet.worker.cpu_linear import accelerate_cpu_layers, gemm_backend
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
 from pagefleet.worker.llama import PagedAttentionMetadata, WeightsError, load_model
 from pagefleet.worker.lora import LoRAManager
@@ -190,8 +190,9 @@ class ModelRunner:
     `lora_adapters` (name -> PEFT adapter directory) wraps the projections
     they target once, at load (`self.lora`, a `LoRAManager`; None without
     adapters, and then nothing is wrapped).
-    A float32 model on the CPU then runs on fused, MKL-packed linear layers
-    (`cpu_linear.accelerate_cpu_layers`; `self.fast_cpu_layers` says whether).
+    A float32 model on the CPU then runs on fused linear layers packed for the CPU's
+    GEMM (`cpu_linear.accelerate_cpu_layers`; `self.cpu_gemm` names it, None where
+    the plain layers run).
     """
 
     def __init__(
@@ -232,9 +233,9 @@ class ModelRunner:
         if lora_adapters:
             self.lora = LoRAManager(self.model, lora_adapters, max_loras, max_lora_rank)
         # After LoRA: the projections it wraps stay unfused (see cpu_linear).
-        self.fast_cpu_layers = cpu_fast_path_applies(self.device, self.dtype)
-        if self.fast_cpu_layers:
-            accelerate_cpu_layers(self.model)
+        self.cpu_gemm = gemm_backend(self.device, self.dtype)
+        if self.cpu_gemm is not None:
+            accelerate_cpu_layers(self.model, self.cpu_gemm)
         # None when the directory ships no tokenizer: the model is then served from token ids.
         self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None
