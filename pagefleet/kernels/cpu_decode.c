@@ -58,6 +58,28 @@ static inline float hsum_v8f(v8f x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 static inline double hsum_v4d(v4d x) { return (x[0] + x[2]) + (x[1] + x[3]); }
+/* The horizontal sums of 8 vectors at once, as one vector: lane i is hsum_v8f(d[i]),
+ * added in the same order (so the same bits), for a third of the shuffles. */
+static inline v8f hsums_v8f(const v8f *d) {
+#define PAIR8(a, b) (__builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11) + \
+                     __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15))
+#define QUAD8(a, b) (__builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + \
+                     __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+    const v8f b0 = QUAD8(PAIR8(d[0], d[1]), PAIR8(d[2], d[3]));
+    const v8f b1 = QUAD8(PAIR8(d[4], d[5]), PAIR8(d[6], d[7]));
+#undef PAIR8
+#undef QUAD8
+    return __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+/* Lane i is hsum_v4d(d[i]), in its order. */
+static inline v4d hsums_v4d(const v4d *d) {
+    const v4d a0 = __builtin_shufflevector(d[0], d[1], 0, 4, 1, 5) +
+                   __builtin_shufflevector(d[0], d[1], 2, 6, 3, 7);
+    const v4d a1 = __builtin_shufflevector(d[2], d[3], 0, 4, 1, 5) +
+                   __builtin_shufflevector(d[2], d[3], 2, 6, 3, 7);
+    return __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+}
 static inline v8f max_v8f(v8f a, v8f b) {
     const v8i keep = a >= b;
     return (v8f)(((v8i)a & keep) | ((v8i)b & ~keep));
@@ -152,15 +174,16 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  * The per-sequence body is inlined once for head_dim 64, once for 128 and
  * once for any other, so the common row loops have constant trip counts.
  */
-#define DEFINE_DECODE(NAME, T, VT, W, KV_T, WIDEN, LOAD, HSUM, VMAX, VEXP)                    \
+#define DEFINE_DECODE(NAME, T, VT, W, KV_T, WIDEN, LOAD, HSUM, HSUMS, VMAX, VEXP)             \
     static inline __attribute__((always_inline)) void NAME##_seq(                             \
         const T *qr, const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, \
         int64_t lo, int64_t hi, int64_t block_size, int64_t kv_heads, int64_t group,          \
-        const int64_t head_dim, T scale, T *scores, int64_t longest, VT *acc, T *row_buf,     \
-        T *o) {                                                                               \
+        const int64_t head_dim, T scale, T *scores, int64_t longest, VT *acc, VT *dots,       \
+        T *row_buf, T *o) {                                                                   \
         const int64_t n = hi - lo, heads = kv_heads * group, chunks = head_dim / W;           \
         const int64_t width = kv_heads * head_dim;                                            \
-        /* Scores: every position's key row, all heads. */                                    \
+        /* Scores: every position's key row, all heads. Each score's dot product is kept   \
+           as a vector until W positions have one; their sums are then taken together. */   \
         FOR_EACH_ROW(T, KV_T, WIDEN, k, /* row: the slot's keys, all heads */                 \
             for (int64_t h = 0; h < kv_heads; h++) {                                          \
                 VT kc[MAX_CHUNKS]; /* the head's key, loaded once for its group */            \
@@ -170,7 +193,15 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                     const T *qg = qr + (h * group + g) * head_dim;                            \
                     VT dot = LOAD(qg) * kc[0];                                                \
                     for (int64_t c = 1; c < chunks; c++) dot += LOAD(qg + W * c) * kc[c];     \
-                    scores[(h * group + g) * longest + t] = HSUM(dot) * scale;                \
+                    dots[(h * group + g) * W + t % W] = dot;                                  \
+                }                                                                             \
+            }                                                                                 \
+            if (t % W == W - 1 || t == n - 1) {                                               \
+                for (int64_t r = 0; r < heads; r++) {                                         \
+                    VT *d = dots + r * W;                                                     \
+                    for (int64_t x = t % W + 1; x < W; x++) d[x] = (VT){0}; /* past n */      \
+                    const VT s = HSUMS(d) * scale;                                            \
+                    memcpy(scores + r * longest + t - t % W, &s, sizeof s);                   \
                 }                                                                             \
             })                                                                                \
         /* Softmax per query head, over rows padded to W lanes with -inf (weight 0). */       \
@@ -228,8 +259,9 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
             T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                        \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
             VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));         \
+            VT *dots = aligned_alloc(32, sizeof(VT) * (size_t)(heads * W));                   \
             T row_buf[MAX_ROW];                                                               \
-            const int ok = scores != NULL && acc != NULL;                                     \
+            const int ok = scores != NULL && acc != NULL && dots != NULL;                     \
             if (!ok) {                                                                        \
                 _Pragma("omp atomic write")                                                   \
                 failed = 1;                                                                   \
@@ -242,28 +274,30 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                 T *o = out + rows[i] * out_row_stride;                                        \
                 if (head_dim == 64)                                                           \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
-                               kv_heads, group, 64, (T)scale, scores, longest, acc, row_buf,  \
-                               o);                                                            \
+                               kv_heads, group, 64, (T)scale, scores, longest, acc, dots,     \
+                               row_buf, o);                                                   \
                 else if (head_dim == 128)                                                     \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
-                               kv_heads, group, 128, (T)scale, scores, longest, acc, row_buf, \
-                               o);                                                            \
+                               kv_heads, group, 128, (T)scale, scores, longest, acc, dots,    \
+                               row_buf, o);                                                   \
                 else                                                                          \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
                                kv_heads, group, head_dim, (T)scale, scores, longest, acc,     \
-                               row_buf, o);                                                   \
+                               dots, row_buf, o);                                             \
             }                                                                                 \
             free(scores);                                                                     \
             free(acc);                                                                        \
+            free(dots);                                                                       \
         }                                                                                     \
         return failed ? -1 : 0;                                                               \
     }
 
 #define DEFINE_F32(NAME, KV_T, WIDEN) \
-    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, max_v8f, exp_v8f)
+    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f, max_v8f, \
+                  exp_v8f)
 
 DEFINE_F32(pf_decode_f32, float, widen_none)
 DEFINE_F32(pf_decode_f32_f16, f16_t, widen_f16)
 DEFINE_F32(pf_decode_f32_bf16, uint16_t, widen_bf16)
-DEFINE_DECODE(pf_decode_f64, double, v4d, 4, double, widen_none, load_v4d, hsum_v4d, max_v4d,
-              exp_v4d)
+DEFINE_DECODE(pf_decode_f64, double, v4d, 4, double, widen_none, load_v4d, hsum_v4d, hsums_v4d,
+              max_v4d, exp_v4d)
