@@ -14,12 +14,12 @@ Methods, each over every layer's projections on the same inputs:
   (`torch.ops.mkl._mkl_reorder_linear_weight` + `torch.ops.mkl._mkl_linear`,
   what inductor emits for float32 with weight prepacking on) through
   pagefleet's own `PackedLinear`, packed once for `PACK_ROWS` (2,048) rows
-  and run at every M, as the engine runs them; and packed for the M of the
-  row itself (what inductor does for a static shape);
+  and run at every M, as the engine runs them on an Intel CPU; and packed for
+  the M of the row itself (what inductor does for a static shape);
 - `onednn packed`: the fused weights reordered for oneDNN
   (`torch.ops.mkldnn._reorder_linear_weight` + `torch.ops.mkldnn._linear_pointwise`),
-  vLLM's CPU path for float32 (its own handle on the same library), reordered
-  once for any M.
+  vLLM's CPU path for float32 (its own handle on the same library), through
+  `PackedLinear` as the engine runs them on any other CPU.
 
 Each row: median wall ms per pass over all layers (interleaved rounds,
 `--rounds`), the ratio against `plain` in the same process, and whether every
@@ -41,7 +41,7 @@ import _engine_bench as common
 import torch
 import torch.nn.functional as F
 
-from pagefleet.worker.cpu_linear import PACK_ROWS, PackedLinear
+from pagefleet.worker.cpu_linear import MKL, ONEDNN, PACK_ROWS, PackedLinear
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152
 Q, KV = Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
@@ -125,7 +125,7 @@ def mkl_packed(layers: list[Layer], rows: int | None) -> Method:
 
     def packed(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         if rows is None:
-            return PackedLinear(_linear(w))
+            return PackedLinear(_linear(w), MKL)
         pack = mkl._mkl_reorder_linear_weight(w, rows)
         return lambda x: mkl._mkl_linear(x, pack, w, None, rows)
 
@@ -141,17 +141,14 @@ def mkl_packed(layers: list[Layer], rows: int | None) -> Method:
     return run
 
 
-def onednn_packed(layers: list[Layer], rows: int | None) -> Method:
-    ops = torch.ops.mkldnn
-    packed = [tuple(ops._reorder_linear_weight(w, rows) for w in ws) for ws in fused_weights(layers)]
-
-    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return ops._linear_pointwise(x, w, None, "none", [], "")
+def onednn_packed(layers: list[Layer]) -> Method:
+    """pagefleet's `PackedLinear` on oneDNN."""
+    modules = [tuple(PackedLinear(_linear(w), ONEDNN) for w in ws) for ws in fused_weights(layers)]
 
     def run(x: torch.Tensor, xo: torch.Tensor, xd: torch.Tensor) -> Outputs:
         first: Outputs = {}
-        for i, (qkv, o, gu, down) in enumerate(packed):
-            outs = (lin(x, qkv), lin(x, gu), lin(xo, o), lin(xd, down))
+        for i, (qkv, o, gu, down) in enumerate(modules):
+            outs = (qkv(x), gu(x), o(xo), down(xd))
             if i == 0:
                 first = _split(*outs)
         return first
@@ -160,12 +157,10 @@ def onednn_packed(layers: list[Layer], rows: int | None) -> Method:
 
 def head_methods(rows: int, gen: torch.Generator) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w = torch.randn(VOCAB, HIDDEN, generator=gen) * HIDDEN**-0.5
-    mkl = PackedLinear(_linear(w))
-    dnn_w = torch.ops.mkldnn._reorder_linear_weight(w, None)
     return {
         "plain": lambda x: F.linear(x, w),
-        f"mkl packed for {PACK_ROWS} rows (pagefleet's)": mkl,
-        "onednn packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, dnn_w, None, "none", [], ""),
+        f"mkl packed for {PACK_ROWS} rows (pagefleet's on Intel)": PackedLinear(_linear(w), MKL),
+        f"onednn packed for {PACK_ROWS} rows (pagefleet's elsewhere)": PackedLinear(_linear(w), ONEDNN),
     }
 
 
@@ -214,9 +209,9 @@ def main() -> None:
         methods = {
             "plain F.linear": plain(layers),
             "fused q/k/v, gate/up (F.linear)": fused(layers),
-            f"mkl packed for {PACK_ROWS} rows (fused; pagefleet's)": mkl_packed(layers, None),
+            f"mkl packed for {PACK_ROWS} rows (fused; pagefleet's on Intel)": mkl_packed(layers, None),
             f"mkl packed for M={rows} (fused)": mkl_packed(layers, rows),
-            "onednn packed (fused)": onednn_packed(layers, None),
+            f"onednn packed for {PACK_ROWS} rows (fused; pagefleet's elsewhere)": onednn_packed(layers),
         }
         ref = methods["plain F.linear"](x, xo, xd)
         same = {name: compare(ref, fn(x, xo, xd)) for name, fn in methods.items()}

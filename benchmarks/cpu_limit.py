@@ -46,8 +46,8 @@ logit gap at the first difference (a near-tie or a bug).
 test oracle) in the same rounds, against the CPU path it serves with.
 The floor is timed twice: through HF's own linear layers (`F.linear`) and,
 where the engine takes the CPU float32 fast path (`pagefleet.worker.cpu_linear`),
-through the engine's own fused q/k/v and gate/up layers with MKL-packed
-weights; the faster is the floor (the best dense-layer time on this CPU).
+through the engine's own fused q/k/v and gate/up layers with weights packed
+for the CPU's GEMM (MKL's on Intel, oneDNN's elsewhere); the faster is the floor (the best dense-layer time on this CPU).
 `--compare-packed` adds pagefleet with that fast path off
 (`PAGEFLEET_CPU_PACKED=off`: HF's modules, `F.linear`) in the same rounds.
 `--compare-decode-kernel` adds pagefleet with the C decode kernel switched off
@@ -673,7 +673,7 @@ def main() -> None:
     best_pf = min(t.cpu for t in times["pagefleet"])
     names = {
         "floor_linear": "dense-layer floor, F.linear on HF's layers",
-        "floor_packed": "dense-layer floor, pagefleet's fused + MKL-packed layers",
+        "floor_packed": f"dense-layer floor, pagefleet's fused + {llm.engine.runner.cpu_gemm}-packed layers",
         "pagefleet": f"pagefleet LLM.generate (kv_cache_dtype {args.kv_cache_dtype[0]})",
         **{k: f"pagefleet, kv_cache_dtype {k.rsplit(' ', 1)[1]}" for k in variants
            if k.startswith("pagefleet kv")},

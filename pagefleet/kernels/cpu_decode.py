@@ -1,6 +1,8 @@
 """The C decode-attention kernel (`cpu_decode.c`): built on first use, called through ctypes.
 
-`cpu_attention` hands it every decode token of a step in one call per layer.
+`cpu_attention` hands it every decode token of a step in one call per layer;
+it shares the sequences out over `torch.get_num_threads()` OpenMP threads,
+torch's own (see cpu_decode.c).
 It is compiled with the system C compiler (``$CC``, else ``cc``) into
 ``<cache root>/kernels/`` (`pagefleet.cache_root`), once per node and source
 version; the file name carries a digest of the source, the flags, the
