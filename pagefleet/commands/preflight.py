@@ -8,6 +8,7 @@ within a second or two, instead of worker tracebacks after Ray has started.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -170,7 +171,15 @@ def check_kv_fits(config: ClusterConfig) -> None:
             taken += blocks * block * workers
 
 
+# Where a GPU driver lists its devices on Linux: NVIDIA's, and ROCm's kernel driver.
+GPU_DRIVER_PATHS = (Path("/proc/driver/nvidia/gpus"), Path("/dev/kfd"))
+
+
 def _gpus() -> int:
+    """The GPUs torch sees; 0 without importing torch (a second or more of a start)
+    on a Linux machine where no GPU driver is loaded."""
+    if sys.platform.startswith("linux") and not any(p.exists() for p in GPU_DRIVER_PATHS):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
