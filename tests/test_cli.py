@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,25 @@ def test_generate_on_a_checkpoint_without_weights_is_a_one_line_error(
 def test_plan_refuses_a_max_model_len_beyond_the_models_limit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--max-model-len", "100000"]) == 2
     assert "exceeds the built-in tiny model's limit" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the driver paths are Linux's")
+@pytest.mark.parametrize("driver", [False, True], ids=["no GPU driver", "a GPU driver"])
+def test_serve_counts_gpus_without_importing_torch_where_no_gpu_driver_is_loaded(
+    driver: bool, tmp_path: Path
+) -> None:
+    # A fresh process: this one has torch imported already.
+    paths = (str(tmp_path) if driver else str(tmp_path / "absent"),)
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom pagefleet.commands import preflight\n"
+        f"preflight.GPU_DRIVER_PATHS = tuple(Path(p) for p in {paths!r})\n"
+        "print(preflight._gpus(), 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()  # fmt: skip
+    if driver:
+        import torch
+
+        assert out == [str(torch.cuda.device_count()), "True"]
+    else:
+        assert out == ["0", "False"]
