@@ -111,6 +111,9 @@ def test_the_default_gemm_is_mkl_on_intel_and_onednn_elsewhere_and_the_switch_ov
     assert gemm_backend(torch.device("meta"), torch.float32) is None
     with pytest.raises(ValueError, match="must be 'mkl' or 'onednn', got 'blas'"):
         PackedLinear(torch.nn.Linear(4, 4), "blas")
+    monkeypatch.setenv(SWITCH_ENV, "onedn")
+    with pytest.raises(ValueError, match="PAGEFLEET_CPU_PACKED must be one of auto, off, mkl, onednn"):
+        gemm_backend(CPU, torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,9 +18,9 @@ only the GEMM kernel differs (see `PackedLinear`).
 Projections a LoRA adapter wraps (`LoRALinear`) are not fused: their layer
 keeps its module and the wrapped base layer is packed in place, so the LoRA
 delta still adds onto the base projection's output.
-`PAGEFLEET_CPU_PACKED` (read at load): `off` keeps the plain modules and
-`F.linear`; `mkl` or `onednn` picks that GEMM (where torch has it) over the
-CPU's default.
+`PAGEFLEET_CPU_PACKED` (read at load): `auto` (or unset) the CPU's default,
+`off` the plain modules and `F.linear`, `mkl` or `onednn` that GEMM (where
+torch has it); any other value is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pagefleet.worker.llama import Attention, GatedMLP, PagedAttentionMetadata, 
 PACK_ROWS = 2048
 SWITCH_ENV = "PAGEFLEET_CPU_PACKED"
 MKL, ONEDNN = "mkl", "onednn"
+SWITCH_VALUES = ("", "auto", "off", MKL, ONEDNN)
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -75,6 +76,11 @@ def gemm_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     (`MKL` on an Intel CPU, else `ONEDNN`; `PAGEFLEET_CPU_PACKED` may name either), or
     None: another device or dtype, `PAGEFLEET_CPU_PACKED=off`, or no packed GEMM in torch."""
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if switch not in SWITCH_VALUES:
+        raise ValueError(
+            f"{SWITCH_ENV} must be one of {', '.join(v for v in SWITCH_VALUES if v)} "
+            f"(or unset), got {os.environ[SWITCH_ENV]!r}"
+        )
     if switch == "off" or device.type != "cpu" or dtype != torch.float32:
         return None
     found = available_backends()
