@@ -236,7 +236,7 @@ def test_the_pool_refills_onto_a_node_that_joins_and_routes_to_the_new_worker(fl
 def test_a_scale_that_cannot_reach_its_target_removes_the_workers_it_added(fleet: Fleet) -> None:
     spare = fleet.nodes.add_node(num_cpus=1, num_gpus=1)  # room for one more worker, not two
     with pytest.raises(MembershipError) as exc:
-        call = fleet.running.membership.scale.remote("default", 4, timeout_s=20.0, wait_for_nodes=True)
+        call = fleet.running.membership.scale.remote("default", 4, timeout_s=12.0, wait_for_nodes=True)
         ray.get(call, timeout=300)
     message = str(exc.value.cause)  # type: ignore[attr-defined]
     # Rolled back: the worker that found room is removed again (or, on a machine too busy
@@ -245,7 +245,7 @@ def test_a_scale_that_cannot_reach_its_target_removes_the_workers_it_added(fleet
         r"to 4 failed and was rolled back \((removed default-[34] again|none had started); the pool keeps 2\)",
         message,
     )
-    assert "did not start within 20s" in message
+    assert "did not start within 12s" in message
     wait_for(lambda: len(pool_status(fleet.target).workers) == 2, 60, "only the two workers it had", 0.5)
 
     def spare_free() -> bool:
