@@ -233,13 +233,14 @@ def test_the_kernel_is_built_once_into_the_cache_and_reused(fresh_build: Path) -
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_a_compiler_refusing_march_native_builds_for_the_baseline_isa(
-    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("refused", ["-march=native", "-fopenmp"])
+def test_a_compiler_refusing_march_native_or_openmp_builds_without_it(
+    refused: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wrapper = fresh_build / "cc-no-native"
+    wrapper = fresh_build / "cc-refusing"
     wrapper.write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = -march=native ] && { echo "no -march=native" >&2; exit 1; }; done\n'
+        f'for a in "$@"; do [ "$a" = {refused} ] && {{ echo "no {refused}" >&2; exit 1; }}; done\n'
         'exec cc "$@"\n'
     )
     wrapper.chmod(0o755)

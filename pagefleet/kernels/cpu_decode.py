@@ -36,11 +36,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11", "-fopenmp")
-# Where the compiler refuses -march=native (some Apple clang releases): the baseline ISA;
-# where it has no OpenMP: one thread.
-FALLBACK_FLAGS = (
-    tuple(f for f in FLAGS if f != "-march=native"),
-    tuple(f for f in FLAGS if f not in ("-march=native", "-fopenmp")),
+# Where the compiler has no OpenMP (Apple's clang): one thread; where it refuses
+# -march=native (some Apple clang releases): the baseline ISA; then neither.
+FALLBACK_FLAGS = tuple(
+    tuple(f for f in FLAGS if f not in dropped)
+    for dropped in (("-fopenmp",), ("-march=native",), ("-fopenmp", "-march=native"))
 )
 
 # (query dtype, cache dtype) -> the C function for them.
