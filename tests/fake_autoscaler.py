@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from ray_nodes import free_port
 
 from pagefleet.cluster.app import NAMESPACE
 
@@ -37,12 +37,6 @@ HEAD_NODE_TYPE = "ray.head.default"  # the only head type name the fake provider
 GPU_NODE_TYPE = "gpu_worker"  # manifests/cluster.yaml's GPU worker type
 GPU_NODE_RESOURCES = {"CPU": 1, "GPU": 1}  # one GPU per node: one pagefleet worker
 IDLE_TIMEOUT_S = 6.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def autoscaling_config(
@@ -144,7 +138,7 @@ def start_fake_autoscaling_cluster(
     assert shutil.which("unshare"), "the fake autoscaling cluster needs util-linux's unshare"
     # Short: Ray's socket paths under it must fit the 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix="pf-fake-"))
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     config = temp_dir / "autoscaling.yaml"
     config.write_text(yaml.safe_dump(autoscaling_config(address, idle_timeout_s=idle_timeout_s)))
@@ -153,12 +147,12 @@ def start_fake_autoscaling_cluster(
         "ray", "start", "--head", "--block",
         f"--port={port}",
         "--num-cpus=0", "--num-gpus=0",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
         "--include-dashboard=false",
-        f"--dashboard-port={_free_port()}",  # checked even without the dashboard
+        f"--dashboard-port={free_port()}",  # checked even without the dashboard
         "--disable-usage-stats",
         f"--temp-dir={temp_dir / 'ray'}",
         f"--autoscaling-config={config}",

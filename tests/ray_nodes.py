@@ -47,29 +47,24 @@ ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4"}
 
 
-# A head's GCS port comes from below the kernel's ephemeral range (32768-60999 on
-# Linux) and above Ray's worker ports (10002-19999): a GCS restarted on its port
-# (`start_gcs`) must find it free, and a port another test bound with port 0 while this
-# one's GCS was down could be the very one.
-HEAD_PORTS = range(20000, 32768)
+# Ports the tests hand out come from below the kernel's ephemeral range (32768-60999 on
+# Linux) and above Ray's worker ports (10002-19999): a port picked by binding port 0 is
+# an ephemeral one, which any process's next outgoing connection may take before the
+# server it was picked for binds it (a GCS restarted on its port, `start_gcs`, must
+# find it free too).
+TEST_PORTS = range(20000, 32768)
 
 
-def free_head_port() -> int:
-    """A free port in HEAD_PORTS."""
-    for port in random.sample(HEAD_PORTS, 200):
+def free_port() -> int:
+    """A port of TEST_PORTS free now."""
+    for port in random.sample(TEST_PORTS, 200):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {HEAD_PORTS}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 @dataclass
@@ -96,7 +91,7 @@ class RayNodes:
         """`env`: more environment for every `ray start` (the head's `RAY_REDIS_ADDRESS`)."""
         # Short: Ray's socket paths live under it and must stay below 108 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="pfray", dir="/tmp")
-        self.port = free_head_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECK, **(env or {})}
         self.head: Node | None = None
@@ -117,7 +112,7 @@ class RayNodes:
                 break
             # The first try's GCS lives on and holds its session: start over, elsewhere.
             self._kill_mine()
-            self.port = free_head_port()
+            self.port = free_port()
             self.address = f"127.0.0.1:{self.port}"
         self.head = node
         return node

@@ -23,15 +23,10 @@ from pathlib import Path
 import psutil
 import yaml
 from cluster_fixtures import wait_for
+from ray_nodes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300.0  # a loaded CI machine starts Ray and loads the tiny model slowly
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,18 +19,13 @@ import pytest
 import yaml
 from cluster_fixtures import generate, status, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray_nodes import free_port
 
 from pagefleet.cluster.config import ClusterConfig
 from pagefleet.cluster.serve_app import parse_args, parse_user_config
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "manifests" / "serve.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_builder_args_name_an_unknown_argument() -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from cluster_fixtures import wait_for
+from ray_nodes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,12 +21,6 @@ NOISE = (
     "Token authentication is enabled",
     "Traceback",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.cluster
