@@ -3,13 +3,14 @@
  * Every decode token (one query row per sequence) attends over its sequence's
  * context straight from the cache's own layout, [num_blocks, block_size,
  * kv_heads, head_dim], through its block table: no gather copy, no padding, no
- * per-sequence call. Per sequence, positions are walked block by block and
- * each slot's whole row (every KV head, contiguous) is read once, in order,
- * the same row of the next block prefetched (blocks are scattered in memory):
- * the GQA group's query heads share each key and value row as it is read. The
- * scores of the context go to a scratch row per query head, the softmax
- * subtracts their maximum (as SDPA does), and the weighted sum of the values
- * is accumulated in the compute type.
+ * per-sequence call. Per sequence, positions are walked block by block; within
+ * a block, one query head at a time, its query (for the scores) or its running
+ * sum (for the values) held in registers across the block's rows, which stay
+ * in L1 for the GQA group's other heads. The next block (blocks are scattered in
+ * memory) is prefetched a few cache lines per row worked on. The scores of the
+ * context go to a scratch row per query head, the softmax subtracts their
+ * maximum (as SDPA does), and the weighted sum of the values is accumulated in
+ * the compute type, position by position (so the loop order changes no bit).
  *
  * Vectors are GCC/Clang vector extensions (8 floats or 4 doubles), so the same
  * source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of 8
@@ -41,8 +42,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef double v4d __attribute__((vector_size(32)));
 typedef int64_t v4l __attribute__((vector_size(32)));
 
-#define MAX_ROW 4096    /* kv_heads * head_dim of one slot, at most */
-#define MAX_CHUNKS 64   /* head_dim / lanes, at most (head_dim 256 in float64) */
+#define MAX_CHUNKS 64 /* head_dim / lanes, at most (head_dim 256 in float64): stack arrays */
 
 static inline v8f load_v8f(const float *p) {
     v8f x;
@@ -113,10 +113,13 @@ static inline v4d exp_v4d(v4d x) {
     return x;
 }
 
-/* Ask for the cache lines of one slot row (`bytes` long) ahead of their use. */
-static inline void prefetch_row(const void *row, size_t bytes) {
-    for (size_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)row + x);
-}
+/* Ask for the next two cache lines of a run [p, end) still to prefetch, if any. */
+#define PREFETCH_STEP(p, end)         \
+    if ((p) < (end)) {                \
+        __builtin_prefetch(p);        \
+        __builtin_prefetch((p) + 64); \
+        (p) += 128;                   \
+    }
 
 /* Widen `width` cache elements into `dst`. */
 static inline void widen_f16(const f16_t *src, int64_t width, float *dst) {
@@ -138,26 +141,31 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
     (void)src, (void)width, (void)dst;
 }
 
-/* Inside DEFINE_DECODE's per-sequence body: run the statements given for every
- * position t of [lo, hi) with `row` that slot's whole row of CACHE (every KV head)
- * in the compute type T (widened into row_buf from a narrower KV_T). Positions go
- * block by block, and the next block's same row is prefetched. */
-#define FOR_EACH_ROW(T, KV_T, WIDEN, CACHE, ...)                                              \
-    for (int64_t b = lo / block_size, t = 0; t < n; b++) {                                    \
-        const int64_t base = (int64_t)table[b] * block_size;                                  \
-        const int64_t next =                                                                  \
-            (b + 1) * block_size < hi ? (int64_t)table[b + 1] * block_size : -1;              \
-        for (int64_t j = t == 0 ? lo % block_size : 0; j < block_size && t < n; j++, t++) {   \
-            const KV_T *raw = CACHE + (base + j) * slot_stride;                               \
-            if (next >= 0) /* the next block's row j: DRAM latency hides behind this one */   \
-                prefetch_row(CACHE + (next + j) * slot_stride, slot_stride * sizeof(KV_T));   \
-            const T *row = (const T *)raw;                                                    \
-            if (sizeof(KV_T) != sizeof(T)) {                                                  \
-                WIDEN(raw, width, row_buf);                                                   \
-                row = row_buf;                                                                \
-            }                                                                                 \
-            __VA_ARGS__                                                                       \
+/* Inside DEFINE_DECODE's per-sequence body: run the statements given for every block
+ * of the positions [lo, hi), with `t0` the block's first position (counted from lo), `m`
+ * its number of positions and `rows` their slot rows (every KV head; consecutive,
+ * slot_stride apart) in the compute type T (widened into blk_buf from a narrower KV_T).
+ * The next block's rows are prefetched first (blocks are scattered in memory). */
+#define FOR_EACH_BLOCK(T, KV_T, WIDEN, CACHE, ...)                                            \
+    for (int64_t b = lo / block_size, t0 = 0; t0 < n; b++) {                                  \
+        const int64_t j0 = t0 == 0 ? lo % block_size : 0;                                     \
+        const int64_t m = block_size - j0 < n - t0 ? block_size - j0 : n - t0;                \
+        /* The next block's rows, for the body to prefetch a little at a time: a burst        \
+           of prefetches would overflow the core's queue of outstanding misses. */            \
+        const int64_t ahead = n - t0 - m < block_size ? n - t0 - m : block_size;              \
+        const char *pf = NULL, *pf_end = NULL;                                                \
+        if (ahead > 0) {                                                                      \
+            pf = (const char *)(CACHE + (int64_t)table[b + 1] * block_size * slot_stride);    \
+            pf_end = pf + ahead * slot_stride * (int64_t)sizeof(KV_T);                        \
         }                                                                                     \
+        const KV_T *raw = CACHE + ((int64_t)table[b] * block_size + j0) * slot_stride;        \
+        const T *rows = (const T *)raw;                                                       \
+        if (sizeof(KV_T) != sizeof(T)) {                                                      \
+            WIDEN(raw, m * slot_stride, blk_buf);                                             \
+            rows = blk_buf;                                                                   \
+        }                                                                                     \
+        __VA_ARGS__                                                                           \
+        t0 += m;                                                                              \
     }
 
 /* Arguments, shared by every instantiation:
@@ -168,8 +176,8 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  *   seq[i]       its row in the block tables
  *   start[i], ctx[i]  the positions it attends: [start, ctx)
  *   out          output rows, like q (out_row_stride)
- * Returns 0; -1 when the scratch rows could not be allocated; -2 when a slot
- * row is wider than MAX_ROW or head_dim is no multiple of 8.
+ * Returns 0; -1 when the scratch rows could not be allocated; -2 when head_dim
+ * is no multiple of 8 or more than MAX_CHUNKS vectors.
  *
  * The per-sequence body is inlined once for head_dim 64, once for 128 and
  * once for any other, so the common row loops have constant trip counts.
@@ -179,29 +187,29 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         const T *qr, const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, \
         int64_t lo, int64_t hi, int64_t block_size, int64_t kv_heads, int64_t group,          \
         const int64_t head_dim, T scale, T *scores, int64_t longest, VT *acc, VT *dots,       \
-        T *row_buf, T *o) {                                                                   \
+        T *blk_buf, T *o) {                                                                   \
         const int64_t n = hi - lo, heads = kv_heads * group, chunks = head_dim / W;           \
-        const int64_t width = kv_heads * head_dim;                                            \
-        /* Scores: every position's key row, all heads. Each score's dot product is kept   \
-           as a vector until W positions have one; their sums are then taken together. */   \
-        FOR_EACH_ROW(T, KV_T, WIDEN, k, /* row: the slot's keys, all heads */                 \
-            for (int64_t h = 0; h < kv_heads; h++) {                                          \
-                VT kc[MAX_CHUNKS]; /* the head's key, loaded once for its group */            \
-                for (int64_t c = 0; c < chunks; c++)                                          \
-                    kc[c] = LOAD(row + h * head_dim + W * c);                                 \
-                for (int64_t g = 0; g < group; g++) {                                         \
-                    const T *qg = qr + (h * group + g) * head_dim;                            \
-                    VT dot = LOAD(qg) * kc[0];                                                \
-                    for (int64_t c = 1; c < chunks; c++) dot += LOAD(qg + W * c) * kc[c];     \
-                    dots[(h * group + g) * W + t % W] = dot;                                  \
-                }                                                                             \
-            }                                                                                 \
-            if (t % W == W - 1 || t == n - 1) {                                               \
-                for (int64_t r = 0; r < heads; r++) {                                         \
-                    VT *d = dots + r * W;                                                     \
-                    for (int64_t x = t % W + 1; x < W; x++) d[x] = (VT){0}; /* past n */      \
-                    const VT s = HSUMS(d) * scale;                                            \
-                    memcpy(scores + r * longest + t - t % W, &s, sizeof s);                   \
+        /* Scores, a block at a time, one query head at a time (its query in registers):      \
+           each score's dot product is kept as a vector until W positions have one; their     \
+           sums are then taken together. */                                                   \
+        FOR_EACH_BLOCK(T, KV_T, WIDEN, k,                                                     \
+            for (int64_t r = 0; r < heads; r++) {                                             \
+                const T *kh = rows + r / group * head_dim; /* its KV head's keys */           \
+                VT qv[MAX_CHUNKS];                                                            \
+                for (int64_t c = 0; c < chunks; c++) qv[c] = LOAD(qr + r * head_dim + W * c); \
+                VT *d = dots + r * W;                                                         \
+                for (int64_t j = 0; j < m; j++) {                                             \
+                    const int64_t t = t0 + j;                                                 \
+                    const T *kr = kh + j * slot_stride;                                       \
+                    PREFETCH_STEP(pf, pf_end);                                                \
+                    VT dot = qv[0] * LOAD(kr);                                                \
+                    for (int64_t c = 1; c < chunks; c++) dot += qv[c] * LOAD(kr + W * c);     \
+                    d[t % W] = dot;                                                           \
+                    if (t % W == W - 1 || t == n - 1) {                                       \
+                        for (int64_t x = t % W + 1; x < W; x++) d[x] = (VT){0}; /* past n */  \
+                        const VT s = HSUMS(d) * scale;                                        \
+                        memcpy(scores + r * longest + t - t % W, &s, sizeof s);               \
+                    }                                                                         \
                 }                                                                             \
             })                                                                                \
         /* Softmax per query head, over rows padded to W lanes with -inf (weight 0). */       \
@@ -211,29 +219,33 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
             for (int64_t t = n; t < padded; t++) row[t] = -INFINITY;                          \
             VT top = LOAD(row);                                                               \
             for (int64_t t = W; t < padded; t += W) top = VMAX(top, LOAD(row + t));           \
-            T m = top[0];                                                                     \
-            for (int i = 1; i < W; i++) m = top[i] > m ? top[i] : m;                          \
+            T mx = top[0];                                                                    \
+            for (int i = 1; i < W; i++) mx = top[i] > mx ? top[i] : mx;                       \
             VT sum = {0};                                                                     \
             for (int64_t t = 0; t < padded; t += W) {                                         \
-                const VT e = VEXP(LOAD(row + t) - m);                                         \
+                const VT e = VEXP(LOAD(row + t) - mx);                                        \
                 sum += e;                                                                     \
                 memcpy(row + t, &e, sizeof e);                                                \
             }                                                                                 \
             const T inv = (T)1 / HSUM(sum);                                                   \
             for (int64_t t = 0; t < n; t++) row[t] *= inv;                                    \
         }                                                                                     \
-        /* Weighted sum: every position's value row, all heads. */                            \
+        /* Weighted sum of the values, a block at a time, one query head at a time (its       \
+           sum in registers across the block). */                                             \
         for (int64_t x = 0; x < heads * chunks; x++) acc[x] = (VT){0};                        \
-        FOR_EACH_ROW(T, KV_T, WIDEN, v, /* row: the slot's values, all heads */               \
-            for (int64_t h = 0; h < kv_heads; h++) {                                          \
-                VT vc[MAX_CHUNKS];                                                            \
-                for (int64_t c = 0; c < chunks; c++)                                          \
-                    vc[c] = LOAD(row + h * head_dim + W * c);                                 \
-                for (int64_t g = 0; g < group; g++) {                                         \
-                    const T w = scores[(h * group + g) * longest + t];                        \
-                    VT *ag = acc + (h * group + g) * chunks;                                  \
-                    for (int64_t c = 0; c < chunks; c++) ag[c] += w * vc[c];                  \
+        FOR_EACH_BLOCK(T, KV_T, WIDEN, v,                                                     \
+            for (int64_t r = 0; r < heads; r++) {                                             \
+                const T *vh = rows + r / group * head_dim; /* its KV head's values */         \
+                const T *w = scores + r * longest + t0;                                       \
+                VT *ar = acc + r * chunks;                                                    \
+                VT a[MAX_CHUNKS];                                                             \
+                for (int64_t c = 0; c < chunks; c++) a[c] = ar[c];                            \
+                for (int64_t j = 0; j < m; j++) {                                             \
+                    const T *vr = vh + j * slot_stride;                                       \
+                    PREFETCH_STEP(pf, pf_end);                                                \
+                    for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * LOAD(vr + W * c);     \
                 }                                                                             \
+                for (int64_t c = 0; c < chunks; c++) ar[c] = a[c];                            \
             })                                                                                \
         memcpy(o, acc, sizeof(VT) * (size_t)(heads * chunks));                                \
     }                                                                                         \
@@ -244,24 +256,23 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
              const int64_t *ctx, int64_t n_seqs, int64_t block_size, int64_t kv_heads,        \
              int64_t group, int64_t head_dim, double scale, T *out,                           \
              int64_t out_row_stride, int64_t threads) {                                       \
-        if (kv_heads * head_dim > MAX_ROW || head_dim % 8 != 0 || head_dim / W > MAX_CHUNKS) \
-            return -2;                                                                        \
+        if (head_dim % 8 != 0 || head_dim / W > MAX_CHUNKS) return -2;                        \
         int64_t longest = 1;                                                                  \
         for (int64_t i = 0; i < n_seqs; i++)                                                  \
             if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
         longest = (longest + W - 1) / W * W;                                                  \
         const int64_t heads = kv_heads * group;                                               \
         int failed = 0;                                                                       \
-        /* Sequences are shared out one at a time (their contexts differ in length), each   \
-           thread with scratch rows of its own. */                                           \
+        /* Sequences are shared out one at a time (their contexts differ in length), each     \
+           thread with scratch rows of its own. */                                            \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_seqs > 1)")           \
         {                                                                                     \
             T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                        \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
             VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));         \
             VT *dots = aligned_alloc(32, sizeof(VT) * (size_t)(heads * W));                   \
-            T row_buf[MAX_ROW];                                                               \
-            const int ok = scores != NULL && acc != NULL && dots != NULL;                     \
+            T *blk_buf = malloc(sizeof(T) * (size_t)(block_size * kv_heads * head_dim));      \
+            const int ok = scores != NULL && acc != NULL && dots != NULL && blk_buf != NULL;  \
             if (!ok) {                                                                        \
                 _Pragma("omp atomic write")                                                   \
                 failed = 1;                                                                   \
@@ -275,25 +286,26 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                 if (head_dim == 64)                                                           \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
                                kv_heads, group, 64, (T)scale, scores, longest, acc, dots,     \
-                               row_buf, o);                                                   \
+                               blk_buf, o);                                                   \
                 else if (head_dim == 128)                                                     \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
                                kv_heads, group, 128, (T)scale, scores, longest, acc, dots,    \
-                               row_buf, o);                                                   \
+                               blk_buf, o);                                                   \
                 else                                                                          \
                     NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
                                kv_heads, group, head_dim, (T)scale, scores, longest, acc,     \
-                               dots, row_buf, o);                                             \
+                               dots, blk_buf, o);                                             \
             }                                                                                 \
             free(scores);                                                                     \
             free(acc);                                                                        \
             free(dots);                                                                       \
+            free(blk_buf);                                                                    \
         }                                                                                     \
         return failed ? -1 : 0;                                                               \
     }
 
-#define DEFINE_F32(NAME, KV_T, WIDEN) \
-    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f, max_v8f, \
+#define DEFINE_F32(NAME, KV_T, WIDEN)                                                         \
+    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f, max_v8f,   \
                   exp_v8f)
 
 DEFINE_F32(pf_decode_f32, float, widen_none)

@@ -196,8 +196,7 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
     return run
 
 
-# Bounds of the kernel's stack buffers (`MAX_ROW`, `MAX_CHUNKS` in cpu_decode.c).
-MAX_SLOT_ROW = 4096
+# Bound of the kernel's stack arrays (`MAX_CHUNKS` vectors of a head, in cpu_decode.c).
 MAX_HEAD_DIM = 256
 
 
@@ -208,5 +207,5 @@ def fits(tensor: torch.Tensor) -> bool:
 
 def shape_fits(num_kv_heads: int, head_dim: int) -> bool:
     """True for the head shapes the kernel takes: head_dim a multiple of 8 (its vector
-    lanes), at most `MAX_HEAD_DIM`, and a slot row of at most `MAX_SLOT_ROW` elements."""
-    return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM and num_kv_heads * head_dim <= MAX_SLOT_ROW
+    lanes) and at most `MAX_HEAD_DIM` (any number of KV heads)."""
+    return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
