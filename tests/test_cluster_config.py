@@ -159,6 +159,12 @@ def test_kv_cache_dtype_comes_from_yaml_into_the_engine_config() -> None:
     assert PoolConfig(name="chat").engine.kv_cache_dtype == "auto"
 
 
+def test_enforce_eager_comes_from_yaml_into_the_engine_config() -> None:
+    cfg = ClusterConfig.from_dict(config(pools=[{"name": "chat", "enforce_eager": True}]))
+    assert cfg.pool("chat").engine.enforce_eager is True
+    assert PoolConfig(name="chat").engine.enforce_eager is False
+
+
 def test_unset_engine_settings_keep_the_engines_defaults() -> None:
     engine = PoolConfig(name="chat").engine
     assert engine == EngineConfig()
@@ -297,6 +303,7 @@ def test_admission_defaults_to_the_full_request_and_bad_values_name_the_field() 
         (config(pools=[{"name": "chat", "block_size": "16"}]), "pools[0].block_size: must be int, got str '16'"),
         (config(pools=[{"name": "chat", "workers": True}]), "pools[0].workers: must be int, got bool True"),
         (config(pools=[{"name": "chat", "enable_prefix_caching": "yes"}]), "pools[0].enable_prefix_caching: must be bool, got str 'yes'"),
+        (config(pools=[{"name": "chat", "enforce_eager": "yes"}]), "pools[0].enforce_eager: must be bool, got str 'yes'"),
         (config(pools=["chat"]), "pools[0]: must be a mapping, got str 'chat'"),
         (config(scheduler={"report_interval_s": "fast"}), "scheduler.report_interval_s: must be float, got str 'fast'"),
         (config(router={"share_routes": 1}), "router.share_routes: must be bool, got int 1"),

@@ -94,6 +94,10 @@ class EngineConfig:
     request selects one by name. `max_loras` adapters are resident in device
     slots at once (loaded on first use, least recently used evicted);
     `max_lora_rank` is the largest rank accepted (see `worker.lora`).
+    `enforce_eager` (vLLM's name) runs every CUDA step without CUDA graphs;
+    by default a decode step is padded to a bucket and replayed from a graph
+    captured for it (see `worker.cuda_graph`). The CPU never captures, so
+    there it changes nothing.
     """
 
     # Read by pydantic when a cluster config embeds these settings in a pool:
@@ -121,6 +125,7 @@ class EngineConfig:
     lora_adapters: Mapping[str, str | Path] | tuple[tuple[str, str | Path], ...] = ()
     max_loras: int = 4
     max_lora_rank: int = 16
+    enforce_eager: bool = False
 
     @property
     def adapter_dirs(self) -> dict[str, str]:
@@ -173,6 +178,9 @@ class EngineConfig:
             raise InvalidField(
                 "cpu_kv_memory_fraction", f"must be in (0, 0.9], got {self.cpu_kv_memory_fraction}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            value = self.enforce_eager
+            raise InvalidField("enforce_eager", f"must be bool, got {type(value).__name__} {value!r}")
 
 
 def _adapter_pairs(

@@ -16,7 +16,6 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,9 @@ from typing import Any
 import torch
 
 from pagefleet.kernels.cpu_decode import decode_kernel
+from pagefleet.kernels.dispatch import choose_backend
 from pagefleet.worker.cpu_linear import accelerate_cpu_layers, gemm_backend
+from pagefleet.worker.cuda_graph import DecodeGraphs
 from pagefleet.worker.kv_cache import KVCache, ModelShape, parse_dtype
 from pagefleet.worker.llama import PagedAttentionMetadata, WeightsError, load_model
 from pagefleet.worker.lora import LoRAManager
@@ -35,6 +36,7 @@ from pagefleet.worker.model_files import (
     load_tokenizer,
     resolve_model_path,
 )
+from pagefleet.worker.step_inputs import StepBatch, StepInputs, StepTensors
 
 # Architectures whose attention is plain causal (optionally windowed) softmax attention
 # over RoPE'd q/k, which is exactly what paged_attention computes.
@@ -51,53 +53,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class UnsupportedModelError(ValueError):
     """The model cannot run on the paged attention path; the message says why."""
-
-
-@dataclass
-class StepBatch:
-    """One engine step, sequences in order; host lists (the runner moves them to the device)."""
-
-    input_ids: list[int]  # packed new tokens of every sequence
-    positions: list[int]  # absolute position of each packed token
-    slot_mapping: list[int]  # KV slot of each packed token
-    query_start_loc: list[int]  # [num_seqs + 1], cumulative new-token counts
-    context_lens: list[int]  # per sequence: cached + new tokens
-    block_tables: list[list[int]]  # per sequence: physical block ids
-    # per sequence: its adapter's LoRA slot, -1 for the base model (None: all base)
-    lora_slots: list[int] | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    def validate(self) -> None:
-        """Raise ValueError when the lists do not describe one consistent packed step."""
-        n, s = self.num_tokens, self.num_seqs
-        if len(self.positions) != n or len(self.slot_mapping) != n:
-            raise ValueError(
-                f"input_ids, positions and slot_mapping must have one entry per token: "
-                f"{n}, {len(self.positions)}, {len(self.slot_mapping)}"
-            )
-        if self.lora_slots is not None and len(self.lora_slots) != s:
-            raise ValueError(f"lora_slots needs one entry per sequence: {s}, got {len(self.lora_slots)}")
-        if len(self.query_start_loc) != s + 1 or len(self.block_tables) != s:
-            raise ValueError(
-                f"query_start_loc needs num_seqs + 1 = {s + 1} entries (got "
-                f"{len(self.query_start_loc)}) and block_tables {s} (got {len(self.block_tables)})"
-            )
-        if self.query_start_loc[0] != 0 or self.query_start_loc[-1] != n:
-            raise ValueError(f"query_start_loc must run from 0 to num_tokens={n}")
-        for i in range(s):
-            q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
-            if q_len < 1 or q_len > self.context_lens[i]:
-                raise ValueError(
-                    f"sequence {i}: {q_len} new tokens with context_len {self.context_lens[i]}; "
-                    f"need 1 <= new tokens <= context_len"
-                )
 
 
 def check_supported(config: Any) -> tuple[int | None, ...]:
@@ -193,6 +148,13 @@ class ModelRunner:
     A float32 model on the CPU then runs on fused linear layers packed for the CPU's
     GEMM (`cpu_linear.accelerate_cpu_layers`; `self.cpu_gemm` names it, None where
     the plain layers run).
+
+    `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` (None: the
+    model's `max_position_embeddings`) are the engine's limits: they size the
+    step input buffers (`step_inputs.StepInputs`) and, on CUDA, the decode
+    buckets. On CUDA a decode-only step is padded to its bucket and replayed
+    from a CUDA graph (`cuda_graph.DecodeGraphs`), unless `enforce_eager`;
+    on the CPU nothing is padded or captured, whatever `enforce_eager` says.
     """
 
     def __init__(
@@ -204,6 +166,10 @@ class ModelRunner:
         lora_adapters: Mapping[str, str | Path] | None = None,
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.dtype = parse_dtype(dtype)
         if self.dtype not in _DTYPES:
@@ -239,6 +205,14 @@ class ModelRunner:
         # None when the directory ships no tokenizer: the model is then served from token ids.
         self.tokenizer: Any | None = load_tokenizer(self.model_path)
         self.kv_cache: KVCache | None = None
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.enforce_eager = enforce_eager
+        self._out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        # Made at the first step, when the bound cache's block size gives the table width.
+        self._inputs: StepInputs | None = None
+        self._decode: DecodeGraphs | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -280,29 +254,76 @@ class ModelRunner:
             raise ValueError(f"KV cache is on {kv.device}, the model on {self.device}")
         self.kv_cache = kv
 
+    @property
+    def num_cuda_graphs(self) -> int:
+        """Decode buckets captured as CUDA graphs so far (always 0 on the CPU)."""
+        return 0 if self._decode is None else len(self._decode.graphs)
+
     # no_grad, not inference_mode: the engine's sampler may edit the logits in place.
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; return logits `[num_seqs, vocab]` of each sequence's last new token.
 
         float32 for float32/float16/bfloat16 models, float64 for float64 models
-        (the frozen eval compares argmax in float64).
+        (the frozen eval compares argmax in float64). On CUDA nothing here waits
+        for the device: the inputs travel through pinned buffers with
+        non-blocking copies, attention gets its launch sizes from host-side
+        hints, and the returned logits are still being computed; the caller's
+        read of the sampled ids is the step's one host sync. (Capturing a
+        bucket's graph, once per bucket, synchronizes the device.)
         """
         if self.kv_cache is None:
             raise RuntimeError("bind_kv_cache() must be called before execute()")
         batch.validate()
-        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if batch.num_seqs == 0:
-            return torch.empty((0, self.vocab_size), dtype=out_dtype, device=self.device)
-        metadata = self._metadata(batch, self.kv_cache)
-        device = self.device
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
+            return torch.empty((0, self.vocab_size), dtype=self._out_dtype, device=self.device)
+        if self.device.type == "cuda" and batch.num_tokens == batch.num_seqs:
+            graphs = self._decode_graphs(self.kv_cache)
+            bucket = graphs.bucket(batch)
+            if bucket is not None:
+                return graphs.run(batch, bucket)
+        tensors = self._step_inputs(self.kv_cache).load(batch)
+        max_query_len = max(b - a for a, b in pairwise(batch.query_start_loc))
         with self._lora_batch(batch):
-            hidden = self.model.model(input_ids, positions, metadata)
-        last_rows = torch.tensor(batch.query_start_loc[1:], dtype=torch.long, device=device) - 1
-        logits = self.model.lm_head(hidden.index_select(0, last_rows))
-        return logits.to(out_dtype)
+            return self.forward(tensors, max_query_len, max(batch.context_lens))
+
+    def forward(self, tensors: StepTensors, max_query_len: int, max_context_len: int) -> torch.Tensor:
+        """The model over one step's device tensors (`StepInputs.load`): logits of each
+        sequence's last token. `max_query_len`/`max_context_len` are host-side bounds
+        (attention's launch sizes); a bound above the step's real maximum is allowed."""
+        assert self.kv_cache is not None
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=tensors.slot_mapping,
+            block_tables=tensors.block_tables,
+            query_start_loc=tensors.query_start_loc,
+            context_lens=tensors.context_lens,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+            sliding_windows=self.sliding_windows,
+        )
+        hidden = self.model.model(tensors.input_ids, tensors.positions, metadata)
+        logits = self.model.lm_head(hidden.index_select(0, tensors.last_rows))
+        return logits.to(self._out_dtype)
+
+    def _step_inputs(self, kv: KVCache) -> StepInputs:
+        if self._inputs is None:
+            width = -(-self.max_model_len // kv.block_size)
+            self._inputs = StepInputs(
+                self.device, self.max_num_batched_tokens, self.max_num_seqs, width
+            )
+        return self._inputs
+
+    def _decode_graphs(self, kv: KVCache) -> DecodeGraphs:
+        if self._decode is None or self._decode.kv_cache is not kv:
+            # Graphs need the Triton kernels (float64 and a forced torch or CPU path run
+            # the padded steps eagerly).
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            capture = not self.enforce_eager and choose_backend(probe) == "triton"
+            self._decode = DecodeGraphs(
+                self.forward, kv, self.max_num_seqs, self.max_model_len, capture
+            )
+        return self._decode
 
     def _lora_batch(self, batch: StepBatch) -> AbstractContextManager[None]:
         """Each packed token's LoRA slot, set on the wrapped projections for the forward."""
@@ -314,23 +335,6 @@ class ModelRunner:
             for _ in range(b - a)
         ]
         return self.lora.batch(token_slots, self.device)
-
-    def _metadata(self, batch: StepBatch, kv: KVCache) -> PagedAttentionMetadata:
-        device = self.device
-        width = max(1, max(len(t) for t in batch.block_tables))
-        # Rectangular for the kernel; entries past a sequence's blocks are never read.
-        padded = [list(t) + [0] * (width - len(t)) for t in batch.block_tables]
-        q_lens = [b - a for a, b in pairwise(batch.query_start_loc)]
-        return PagedAttentionMetadata(
-            kv_cache=kv,
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
-            max_query_len=max(q_lens),
-            max_context_len=max(batch.context_lens),
-            sliding_windows=self.sliding_windows,
-        )
 
     def profile_peak_bytes(self, num_tokens: int, block_size: int = 16) -> int:
         """Activation bytes of one forward over `num_tokens` packed tokens (excl. weights and KV).
