@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagefleet.kernels.dispatch import choose_backend
+from pagefleet.kernels.transfer import host_to_device
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def lora_segments(token_slots: list[int], device: torch.device | str) -> LoRASeg
         lens[-1] += 1
 
     def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return host_to_device(torch.tensor(values, dtype=dtype), device)
 
     return LoRASegments(
         token_order=as_tensor([t for _, t in order], torch.int64),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagefleet.kernels.transfer import host_to_device
 from pagefleet.worker.batch_scheduler import BatchScheduler, ScheduledSeq
 from pagefleet.worker.block_table import blocks_to_finish, request_claim
 from pagefleet.worker.config import EngineConfig, default_cpu_kv_bytes
@@ -99,7 +100,7 @@ def _sampled_rows(
     always a copy: the model's distribution stays in `logits` for logprobs."""
     if rows == list(range(logits.shape[0])) and all(m is None for m in matchers):
         return logits
-    return logits.index_select(0, torch.tensor(rows, device=logits.device))
+    return logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
 
 
 class RequestError(ValueError):
@@ -494,7 +495,7 @@ class LLMEngine:
         if not wanted:
             return
         entries = token_logprobs(
-            logits.index_select(0, torch.tensor([rows[i] for i in wanted], device=logits.device)),
+            logits.index_select(0, host_to_device(torch.tensor([rows[i] for i in wanted]), logits.device)),
             [t for i in wanted if (t := tokens[i]) is not None],
             [sampled[i].request.params.logprobs or 0 for i in wanted],
         )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagefleet.kernels.transfer import host_to_device
 from pagefleet.worker.structured_output import StructuredOutput
 from pagefleet.worker.tokenizer import Tokenizer
 
@@ -284,7 +285,7 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -
         matcher.fill(bitmask, i)
     if logits.device.type == "cpu" and logits.dtype != torch.float32:
         logits = logits.to(torch.float32)  # xgrammar's CPU kernel masks float32
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)
+    xgr.apply_token_bitmask_inplace(logits, host_to_device(bitmask, logits.device), indices=constrained)
     return logits
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagefleet.kernels.transfer import host_to_device
 from pagefleet.worker.block_pool import is_valid_block_size
 from pagefleet.worker.offload import BlockTransfer
 
@@ -161,7 +162,7 @@ class KVCache:
         return self.tensor[index, 0], self.tensor[index, 1]
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return host_to_device(torch.tensor(list(block_ids), dtype=torch.long), self.device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every layer (copy-on-write), in one gather/scatter.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagefleet.kernels.transfer import host_to_device
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
 
@@ -28,28 +29,35 @@ def sample(
     A row whose logits hold NaN or +inf (or whose probabilities are not a
     distribution) gets None instead of raising: the caller fails that one
     request, and every other row of the batch still gets its token.
+
+    On CUDA, an all-greedy batch without biases or penalties reads the device
+    once (the argmax ids); rows that draw are copied to the host in one go.
     """
     tokens: list[int | None] = [None] * len(params)
     # One pass over the raw logits: a row's max is NaN when it holds a NaN (max propagates
-    # it) and +inf when it holds +inf; its index is the argmax (the first on ties).
+    # it) and +inf when it holds +inf; its index is the argmax (the first on ties). Both
+    # come back in one read: the argmax, or -1 for a row that cannot be sampled.
     top, top_index = logits.max(dim=-1)
-    ok = (~(torch.isnan(top) | torch.isposinf(top))).tolist()
+    picked = torch.where(torch.isnan(top) | torch.isposinf(top), -1, top_index).tolist()
+    ok = [index >= 0 for index in picked]
     adjusted = adjust_logits(logits, params, histories)
     greedy = [i for i, p in enumerate(params) if p.greedy and ok[i]]
     if greedy:
         if adjusted is logits:  # no bias or penalty anywhere: the argmax is already known
-            picked = top_index.tolist()
             greedy_tokens = [picked[i] for i in greedy]
         else:
             greedy_tokens = adjusted[greedy].argmax(dim=-1).tolist()
         for i, tok in zip(greedy, greedy_tokens, strict=True):
             tokens[i] = int(tok)
-    logits = adjusted
-    for i, p in enumerate(params):
-        if p.greedy or not ok[i]:
-            continue
-        row = logits[i].detach().to(device="cpu", dtype=torch.float32)
-        probs = sampling_probs(row, p)
+    drawn = [i for i, p in enumerate(params) if not p.greedy and ok[i]]
+    if not drawn:
+        return tokens
+    host, host_rows = adjusted.detach(), drawn
+    if host.device.type != "cpu":  # one device read for all drawn rows, not one per row
+        host, host_rows = host[drawn].cpu(), list(range(len(drawn)))
+    for i, k in zip(drawn, host_rows, strict=True):
+        p = params[i]
+        probs = sampling_probs(host[k].to(torch.float32), p)
         if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0.0):
             continue
         tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
@@ -92,8 +100,8 @@ def adjust_logits(
         rows = [i for i in biased for _ in params[i].logit_bias]
         ids = [t for i in biased for t, _ in params[i].logit_bias]
         values = [b for i in biased for _, b in params[i].logit_bias]
-        index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
-        out.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+        index = (host_to_device(torch.tensor(rows), device), host_to_device(torch.tensor(ids), device))
+        out.index_put_(index, host_to_device(torch.tensor(values), device), accumulate=True)
     if penalized:
         if histories is None:
             raise ValueError("penalized rows need their token histories")
@@ -104,7 +112,7 @@ def adjust_logits(
 
         def column(name: str) -> torch.Tensor:
             values = [getattr(params[i], name) for i in penalized]
-            return torch.tensor(values, device=device, dtype=torch.float32).unsqueeze(1)
+            return host_to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
 
         rep = column("repetition_penalty")
         seen = in_prompt | (counts > 0)
@@ -123,7 +131,7 @@ def _token_counts(id_lists: Sequence[Sequence[int]], vocab: int, device: torch.d
     for row, ids in enumerate(id_lists):
         if ids:
             padded[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
-    padded = padded.to(device)
+    padded = host_to_device(padded, device)
     counts = torch.zeros((len(id_lists), vocab + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
