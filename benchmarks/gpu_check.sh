@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for one GPU, 8 minutes at most: the Triton tests on CUDA (bf16
 # included), the kernel benchmark, the engine on SmolLM2 in bf16 against HF
-# generate on the same GPU, and the KV offload tier on SmolLM2 in bf16 (pinned
-# host memory, copies on a side stream) against recompute. Writes the tables into
+# generate on the same GPU, with CUDA graphs and with enforce_eager (both
+# throughputs; the greedy outputs must be identical, else the step fails), and
+# the KV offload tier on SmolLM2 in bf16 (pinned host memory, copies on a side
+# stream) against recompute. Writes the tables into
 # docs/benchmarks.md (section "GPU check", replaced on each run) with the date
 # and the card.
 #
@@ -73,7 +75,7 @@ section="$work/section.md"
   echo "## GPU check ($(date -u +%Y-%m-%d), ${card})"
   echo
   echo "Command: \`bash benchmarks/gpu_check.sh\`$([[ "$dry_run" -eq 1 ]] && echo ' --dry-run (CPU, smoke sizes)')."
-  for name in triton_tests kernels engine offload; do
+  for name in triton_tests paged_attention engine offload; do
     echo
     echo "### $name"
     echo

@@ -10,11 +10,19 @@ Peers in this process, on the same requests, after one warm-up call each
 (CUDA context, Triton compilation):
 
 - HF `generate` on one left-padded batch (contiguous cache, SDPA);
-- pagefleet `LLM.generate` (paged KV, Triton kernels on CUDA).
+- pagefleet `LLM.generate` (paged KV, Triton kernels on CUDA), with CUDA
+  graphs (the default: decode steps padded to buckets, replayed from a graph
+  per bucket) and with `enforce_eager=True` (the same padded steps, launched
+  kernel by kernel). The graphs engine first runs a warm-up workload of the
+  same shape (other prompts: no prefix-cache hits), which captures the graphs
+  the measured run replays.
 
-Prints output tokens/s of each, the ratio, and how many requests' greedy
-tokens agree (informational: bf16 rounding differs between the two paths).
-`--smoke`: 4 requests of 8 tokens on CPU in float32, for the tests.
+Prints output tokens/s of each, the ratios, and how many requests' greedy
+tokens agree: with HF informational (bf16 rounding differs between the two
+paths); graphs against eager must be identical (the same kernels on the same
+shapes), else the script exits 1.
+`--smoke`: 4 requests of 8 tokens on CPU in float32, for the tests (the CPU
+never captures: both pagefleet runs are eager there).
 Needs torch, transformers, gguf and this checkout; no Ray.
 """
 
@@ -31,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 
-def workload(n: int, lo: int, hi: int, out_len: int, vocab: int) -> list[tuple[list[int], int]]:
-    gen = torch.Generator().manual_seed(0)
+def workload(
+    n: int, lo: int, hi: int, out_len: int, vocab: int, seed: int = 0
+) -> list[tuple[list[int], int]]:
+    gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
     return [
         ([int(t) for t in torch.randint(100, vocab, (length,), generator=gen)], out_len)
@@ -97,15 +107,24 @@ def main() -> None:
     vocab, pad = int(hf.config.vocab_size), int(hf.generation_config.pad_token_id or 0)
     lo, hi, out_len = (20, 60, 8) if args.smoke else (50, 400, 64)
     reqs = workload(args.requests, lo, hi, out_len, vocab)
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device,
-              max_num_seqs=len(reqs))  # fmt: skip
-    warm = [(reqs[0][0][:16], 2), (reqs[1][0][:24], 2)]
-    hf_padded(hf, warm, device, pad)
-    pagefleet_run(llm, warm, device)
+    # The first pool is sized as a GPU worker sizes it (a profiled forward), from half the
+    # device; the second, beside it, holds the warm-up and the measured run twice over.
+    blocks = 2 * len(reqs) * -(-(hi + out_len) // 16)
+    engines = {
+        "graphs": LLM(model=str(model_dir), dtype=args.dtype, device=args.device,
+                      max_num_seqs=len(reqs), gpu_memory_utilization=0.5),
+        "eager": LLM(model=str(model_dir), dtype=args.dtype, device=args.device,
+                     max_num_seqs=len(reqs), num_kv_blocks=blocks, enforce_eager=True),
+    }  # fmt: skip
+    short = [(reqs[0][0][:16], 2), (reqs[1][0][:24], 2)]
+    hf_padded(hf, short, device, pad)
+    # Captures the buckets the measured run replays (other prompts: no prefix-cache hits);
+    # the eager engine then finds the Triton kernels compiled.
+    pagefleet_run(engines["graphs"], workload(args.requests, lo, hi, out_len, vocab, seed=1), device)
+    pagefleet_run(engines["eager"], short, device)
     hf_s, hf_out = hf_padded(hf, reqs, device, pad)
-    pf_s, pf_out = pagefleet_run(llm, reqs, device)
+    runs = {name: pagefleet_run(llm, reqs, device) for name, llm in engines.items()}
     useful = sum(o for _, o in reqs)
-    agree = sum(a[:o] == b for a, b, (_, o) in zip(hf_out, pf_out, reqs, strict=True))
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {card}; {len(reqs)} requests, "
           f"{sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens")  # fmt: skip
@@ -113,11 +132,24 @@ def main() -> None:
     print("| method | seconds | output tok/s | vs HF padded |")
     print("|---|---|---|---|")
     print(f"| HF generate, padded batch | {hf_s:.2f} | {useful / hf_s:.1f} | 1.00x |")
-    print(f"| pagefleet LLM.generate | {pf_s:.2f} | {useful / pf_s:.1f} | {hf_s / pf_s:.2f}x |")
+    labels = {"graphs": "pagefleet LLM.generate, CUDA graphs",
+              "eager": "pagefleet LLM.generate, enforce_eager"}  # fmt: skip
+    for name, (seconds, _) in runs.items():
+        print(f"| {labels[name]} | {seconds:.2f} | {useful / seconds:.1f} | {hf_s / seconds:.2f}x |")
     print()
-    print(f"greedy agreement: {agree}/{len(reqs)} requests token for token "
+    graphs_out, eager_out = runs["graphs"][1], runs["eager"][1]
+    agree = sum(a[:o] == b for a, b, (_, o) in zip(hf_out, graphs_out, reqs, strict=True))
+    print(f"greedy agreement with HF: {agree}/{len(reqs)} requests token for token "
           f"(informational in {args.dtype})")  # fmt: skip
-    llm.check_integrity()
+    same = sum(a == b for a, b in zip(graphs_out, eager_out, strict=True))
+    captured = engines["graphs"].engine.runner.num_cuda_graphs
+    print(f"CUDA graphs against enforce_eager: {same}/{len(reqs)} requests identical; "
+          f"graphs x{runs['eager'][0] / runs['graphs'][0]:.2f} the eager throughput; "
+          f"{captured} decode buckets captured")  # fmt: skip
+    for llm in engines.values():
+        llm.check_integrity()
+    if same != len(reqs):
+        sys.exit("CUDA graphs changed the greedy output: they must replay the eager step exactly")
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ class Decode:
 @pytest.fixture(scope="module")
 def smollm2_decode() -> Iterator[Decode]:
     # oneDNN's GEMM gives each row the same sums whatever the rows around it; MKL's (the
-    # default on Intel CPUs, and F.linear's) takes other kernels for a few rows (1-3 of
-    # every 4), so there padding 3 rows to 4 moves the logits by float rounding (5e-5).
+    # default on Intel CPUs, and F.linear's) takes other kernels for 1-3 rows and for the
+    # rows past a multiple of 4, so there padding 3 rows to 4 moves the logits by float
+    # rounding (5e-5 on these three).
     if ONEDNN not in available_backends():
         pytest.skip("torch has no oneDNN packed GEMM here")
     with pytest.MonkeyPatch.context() as env:
