@@ -16,6 +16,14 @@ cache: the slot gather alone, the SDPA calls alone on already gathered K/V,
 and SDPA on one-token contexts (the fixed cost of 32 calls); and the floor:
 one pass over the K/V bytes the step reads (a sum over a contiguous copy of
 them). `--quick`: 4 layers, 2 rounds.
+
+`--prefill`: one prefill chunk instead (the kernel takes every token of a
+step: token i of a chunk is one query row over the positions up to its own),
+for chunks of 2 to 4,096 tokens, first chunks and chunks after a cached
+prefix: the kernel against the SDPA path (`PAGEFLEET_CPU_DECODE=off`) at its
+best, the sequence's blocks consecutive so its K/V are a view of the cache
+(no gather), CPU time per chunk and layer, one thread, best of the rounds
+(`--quick`: chunks of at most 400 tokens).
 """
 
 from __future__ import annotations
@@ -55,15 +63,55 @@ def step_tables(num_seqs: int, generated: int, seed: int = 0) -> tuple[list[list
     return tables, ctx
 
 
+# (chunk tokens, cached tokens before it) for --prefill.
+PREFILL_CHUNKS = [(2, 0), (16, 0), (100, 0), (400, 0), (1024, 0), (2048, 0), (4096, 0),
+                  (40, 512), (64, 512), (2048, 6144)]
+
+
+def prefill(rounds: int, quick: bool) -> None:
+    """One prefill chunk per shape, the C kernel against SDPA on a view of the cache
+    (`quick`: the chunks of at most 400 tokens)."""
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{'chunk':>6s} {'cached':>7s} {'SDPA ms':>9s} {'kernel ms':>10s} {'SDPA/kernel':>12s}")
+    for chunk, cached in PREFILL_CHUNKS:
+        if quick and chunk > 400:
+            continue
+        ctx = cached + chunk
+        blocks = -(-ctx // BLOCK)
+        k_cache, v_cache = torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        query = torch.randn(chunk, Q_HEADS, HEAD_DIM)
+        tables = torch.arange(blocks, dtype=torch.int32)[None, :]
+        qsl = torch.tensor([0, chunk], dtype=torch.int32)
+        lens = torch.tensor([ctx], dtype=torch.int32)
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for switch in ("off", "on"):
+                os.environ[SWITCH_ENV] = switch
+                reps = max(1, int(2e5 // (chunk * ctx)))
+                start = time.process_time()
+                for _ in range(reps):
+                    paged_attention_cpu(query, k_cache, v_cache, tables, qsl, lens, HEAD_DIM**-0.5)
+                took = (time.process_time() - start) / reps * 1e3
+                best[switch] = min(best.get(switch, took), took)
+        os.environ.pop(SWITCH_ENV)
+        print(f"{chunk:6d} {cached:7d} {best['off']:9.3f} {best['on']:10.3f} "
+              f"{best['off'] / best['on']:11.2f}x")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, 2 rounds")
+    parser.add_argument("--prefill", action="store_true", help="prefill chunks, not a decode step")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.layers = 2, 4
     torch.set_num_threads(1)
+    if args.prefill:
+        prefill(args.rounds, args.quick)
+        return
     tables, ctx = step_tables(32, 32)
     num_blocks = max(b for t in tables for b in t) + 1
     width = max(len(t) for t in tables)

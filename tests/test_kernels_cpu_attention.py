@@ -1,7 +1,7 @@
 """The CPU paged attention (the CPU serving path) against the float64 oracle.
 
-Every oracle check runs both decode paths: the C kernel (`cpu_decode`, the
-default) and, with it switched off, one SDPA call per sequence.
+Every oracle check runs both paths: the C kernel (`cpu_decode`, the default,
+for every token) and, with it switched off, one SDPA call per sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagefleet.kernels import cpu_decode, paged_attention
+from pagefleet.kernels import cpu_attention, cpu_decode, paged_attention
 from pagefleet.kernels.cpu_attention import paged_attention_cpu
 from pagefleet.kernels.reference import paged_attention_reference
 from pagefleet.kernels.testing import PagedBatch, make_paged_batch, naive_attention
@@ -196,6 +196,23 @@ def test_the_decode_kernel_builds_here_and_serves_every_dtype_pair_it_names() ->
         assert cpu_decode.decode_kernel(q_dtype, kv_dtype) is not None, (q_dtype, kv_dtype)
     # Half-precision queries keep the SDPA path (it computes in float32 there).
     assert cpu_decode.decode_kernel(torch.bfloat16, torch.bfloat16) is None
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_kernel_takes_prefill_chunks_too_with_no_sdpa_call(
+    window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A first prefill chunk, a chunk after cached context, decode tokens, shared blocks.
+    b = batch([9, 1, 12, 1, 5], [9, 30, 40, 17, 21], shared_prefix_blocks=1, seed=21)
+
+    def no_sdpa(*args: object, **kwargs: object) -> None:
+        raise AssertionError("SDPA was called: the kernel should have taken every token")
+
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention", no_sdpa)
+    out = paged_attention_cpu(*b.kernel_args(), 32**-0.5, sliding_window=window)
+    torch.testing.assert_close(out.to(torch.float64), naive_attention(b, 32**-0.5, window),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

@@ -1,9 +1,22 @@
-"""Paged attention for CPU serving: the C kernel for decode tokens, SDPA per sequence for the rest.
+"""Paged attention for CPU serving: the C kernel for every token, SDPA per sequence without it.
 
 The reference (`reference.py`, the test oracle) gathers every sequence's
 context into one padded batch per layer and masks it: on a CPU that copy,
 the padding up to the longest context and the dense mask cost more than the
-attention itself. Here each sequence attends on its own:
+attention itself.
+
+Every token of a step goes to the C kernel (`cpu_decode`) in one call per
+layer: a decode token is one query row over its sequence's context, a
+prefill chunk's token `i` one row over the positions up to its own (causal
+by construction, no mask). The kernel reads each sequence's K/V straight from
+the cache through its block table, with no gather and no per-sequence call,
+in float32 over a float32, float16 or bfloat16 cache and in float64 over a
+float64 cache; on this project's CPUs it is faster than SDPA on prefill
+chunks too, from 2 to 4,096 tokens, after a cached prefix or not
+(docs/benchmarks.md 14.9).
+
+Where the kernel cannot be built (no C compiler), is switched off or does not
+take the shape, each sequence attends on its own through SDPA:
 
 - its keys and values are a *view* of the cache when its blocks are one
   consecutive run of block ids (the common case: a prompt's blocks are
@@ -12,15 +25,7 @@ attention itself. Here each sequence attends on its own:
   a decode token needs no mask, and only a chunk after cached context (or a
   sliding window) builds a small ``[q_len, context]`` mask.
 
-Decode tokens (one query row per sequence) go to the C kernel
-(`cpu_decode`) in one call per layer: it reads each sequence's K/V straight
-from the cache through its block table, with no gather and no per-sequence
-call, in float32 over a float32, float16 or bfloat16 cache and in float64
-over a float64 cache. Where it cannot be built (no C compiler) or is switched
-off, decode tokens take the per-sequence SDPA path too, a narrow cache
-widened per sequence.
-
-The per-step plan (views or slot indexes, the decode rows) is made once per
+The per-step plan (views or slot indexes, the kernel's rows) is made once per
 step and reused by every layer: layers receive the same metadata tensors. The
 loop is over sequences, never over tokens.
 """
@@ -48,37 +53,40 @@ class _SeqPlan:
 
 
 @dataclass(frozen=True)
-class _DecodeRows:
-    """The decode sequences of a step as the C kernel takes them (int64 each)."""
+class _KernelRows:
+    """Every token of a step as the C kernel takes it: one query row each (int64 each)."""
 
     rows: torch.Tensor  # query (and output) row
-    seq: torch.Tensor  # row in the block tables
+    seq: torch.Tensor  # its sequence's row in the block tables
     start: torch.Tensor  # first position attended (a sliding window moves it)
-    ctx: torch.Tensor  # context length
+    ctx: torch.Tensor  # one past the last position attended: its own position + 1
 
 
 class _StepPlan:
-    """The per-sequence plans of one step, and its decode rows per sliding window."""
+    """The per-sequence plans of one step, and the kernel's rows per sliding window."""
 
     def __init__(self, seqs: list[_SeqPlan]) -> None:
         self.seqs = seqs
-        self.decode = [p for p in seqs if p.q_len == 1]
-        self._rows: dict[int | None, _DecodeRows] = {}
+        self._rows: dict[int | None, _KernelRows] = {}
 
-    def decode_rows(self, sliding_window: int | None) -> _DecodeRows:
-        """The decode sequences, each over its last `sliding_window` positions (or all)."""
+    def kernel_rows(self, sliding_window: int | None) -> _KernelRows:
+        """Every token, each over the positions up to its own (the last `sliding_window`
+        of them, or all)."""
         cached = self._rows.get(sliding_window)
         if cached is None:
-            ctx = [p.ctx for p in self.decode]
-            start = [0 if sliding_window is None else max(0, c - sliding_window) for c in ctx]
-            cached = _DecodeRows(
-                *(torch.tensor(v, dtype=torch.long)
-                  for v in ([p.q_start for p in self.decode], [p.index for p in self.decode],
-                            start, ctx))
-            )  # fmt: skip
+            q_lens = torch.tensor([p.q_len for p in self.seqs], dtype=torch.long)
+            seq = torch.repeat_interleave(torch.tensor([p.index for p in self.seqs]), q_lens)
+            first = torch.tensor([p.q_start for p in self.seqs], dtype=torch.long)
+            before = torch.tensor([p.ctx - p.q_len for p in self.seqs], dtype=torch.long)
+            rows = torch.arange(int(q_lens.sum()))
+            # Token i of a chunk sees the context before the chunk and tokens 0..i.
+            ctx = torch.repeat_interleave(before - first, q_lens) + rows + 1
+            start = torch.zeros_like(ctx)
+            if sliding_window is not None:
+                start = (ctx - sliding_window).clamp_(min=0)
+            cached = _KernelRows(rows, seq, start, ctx)
             self._rows[sliding_window] = cached
         return cached
-
 
 _plans = threading.local()
 
@@ -149,10 +157,9 @@ def paged_attention_cpu(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = num_q_heads != num_kv_heads
     step = _plan(block_tables, query_start_loc, context_lens, block_size)
-    fused = _decode_fused(query, k_cache, v_cache, block_tables, step, scale, sliding_window, out)
+    if _kernel(query, k_cache, v_cache, block_tables, step, scale, sliding_window, out):
+        return out
     for p in step.seqs:
-        if fused and p.q_len == 1:
-            continue  # done by the C kernel
         if p.slots is None:
             lo = p.first_block * block_size
             k, v = k_flat[lo : lo + p.ctx], v_flat[lo : lo + p.ctx]
@@ -183,7 +190,7 @@ def paged_attention_cpu(
     return out
 
 
-def _decode_fused(
+def _kernel(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -193,9 +200,7 @@ def _decode_fused(
     sliding_window: int | None,
     out: torch.Tensor,
 ) -> bool:
-    """Every decode token of the step through the C kernel; False when it does not apply."""
-    if not step.decode:
-        return False
+    """Every token of the step through the C kernel; False when it does not apply."""
     kernel = decode_kernel(query.dtype, k_cache.dtype)
     dense = (
         shape_fits(k_cache.shape[2], query.shape[2])
@@ -205,6 +210,6 @@ def _decode_fused(
     )  # fmt: skip
     if kernel is None or not dense:
         return False
-    d = step.decode_rows(sliding_window)
-    kernel(query, k_cache, v_cache, block_tables, d.rows, d.seq, d.start, d.ctx, scale, out)
+    r = step.kernel_rows(sliding_window)
+    kernel(query, k_cache, v_cache, block_tables, r.rows, r.seq, r.start, r.ctx, scale, out)
     return True

@@ -1,9 +1,10 @@
-/* Decode attention on a paged KV cache, for CPU serving: one call per layer.
+/* Attention on a paged KV cache, for CPU serving: one call per layer.
  *
- * Every decode token (one query row per sequence) attends over its sequence's
- * context straight from the cache's own layout, [num_blocks, block_size,
+ * Every query row (a decode token, or one token of a prefill chunk, whose
+ * context ends at its own position: causal without a mask) attends over its
+ * sequence's context straight from the cache's own layout, [num_blocks, block_size,
  * kv_heads, head_dim], through its block table: no gather copy, no padding, no
- * per-sequence call. Per sequence, positions are walked block by block; within
+ * per-sequence call. Per row, positions are walked block by block; within
  * a block, one query head at a time, its query (for the scores) or its running
  * sum (for the values) held in registers across the block's rows, which stay
  * in L1 for the GQA group's other heads. The next block (blocks are scattered in
@@ -12,14 +13,14 @@
  * maximum (as SDPA does), and the weighted sum of the values is accumulated in
  * the compute type, position by position (so the loop order changes no bit).
  *
- * Vectors are GCC/Clang vector extensions (8 floats or 4 doubles), so the same
- * source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of 8
- * (the Python side checks). float32 computes over a float32, float16 or
+ * Vectors are GCC/Clang vector extensions (16 or 8 floats, 4 doubles), so the
+ * same source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of
+ * 8 (the Python side checks). float32 computes over a float32, float16 or
  * bfloat16 cache (a narrow row is widened as it is read, with F16C where the
- * CPU has it) and takes e^x from an 8-lane polynomial (within 1 ulp of expf);
- * float64 over a float64 cache (the exact path) takes libm's exp.
+ * CPU has it) and takes e^x from a polynomial (within 1 ulp of expf); float64
+ * over a float64 cache (the exact path) takes libm's exp.
  *
- * Sequences are shared out over `threads` OpenMP threads. Built with -fopenmp, the
+ * Rows are shared out over `threads` OpenMP threads. Built with -fopenmp, the
  * library needs libgomp.so.1, which torch's CPU build has already loaded: the
  * kernel runs on torch's own thread pool, not a second one beside it (without
  * OpenMP the pragmas are ignored and it runs on the calling thread).
@@ -41,6 +42,8 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef double v4d __attribute__((vector_size(32)));
 typedef int64_t v4l __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 #define MAX_CHUNKS 64 /* head_dim / lanes, at most (head_dim 256 in float64): stack arrays */
 
@@ -72,6 +75,23 @@ static inline v8f hsums_v8f(const v8f *d) {
     return __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
            __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
+static inline v16f load_v16f(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline v8f halves_v16f(v16f x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline float hsum_v16f(v16f x) { return hsum_v8f(halves_v16f(x)); }
+/* Lane i is hsum_v16f(d[i]), in its order. */
+static inline v16f hsums_v16f(const v16f *d) {
+    v8f h[16];
+    for (int i = 0; i < 16; i++) h[i] = halves_v16f(d[i]);
+    const v8f a = hsums_v8f(h), b = hsums_v8f(h + 8);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 /* Lane i is hsum_v4d(d[i]), in its order. */
 static inline v4d hsums_v4d(const v4d *d) {
     const v4d a0 = __builtin_shufflevector(d[0], d[1], 0, 4, 1, 5) +
@@ -84,30 +104,37 @@ static inline v8f max_v8f(v8f a, v8f b) {
     const v8i keep = a >= b;
     return (v8f)(((v8i)a & keep) | ((v8i)b & ~keep));
 }
+static inline v16f max_v16f(v16f a, v16f b) {
+    const v16i keep = a >= b;
+    return (v16f)(((v16i)a & keep) | ((v16i)b & ~keep));
+}
 static inline v4d max_v4d(v4d a, v4d b) {
     const v4l keep = a >= b;
     return (v4d)(((v4l)a & keep) | ((v4l)b & ~keep));
 }
 
-/* e^x for x <= 0, 8 lanes: Cephes' expf polynomial, within 1 ulp of expf; below
+/* e^x for x <= 0, per lane: Cephes' expf polynomial, within 1 ulp of expf; below
  * -87.3 (where e^x leaves float32's normal range, and for -inf) it gives 0. */
-static inline v8f exp_v8f(v8f x) {
-    const v8f lo = (v8f){0} - 87.33654f, magic = (v8f){0} + 12582912.0f; /* 1.5 * 2^23 */
-    const v8i under = x < lo;
-    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
-    const v8f t = x * 1.44269504088896341f + magic;
-    const v8f n = t - magic; /* x / ln 2, rounded to the nearest integer */
-    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v8i pow2 = (((v8i)t - (v8i)magic) + 127) << 23;
-    return (v8f)((v8i)(p * (v8f)pow2) & ~under);
-}
+#define DEFINE_EXP(NAME, VF, VI)                                                              \
+    static inline VF NAME(VF x) {                                                             \
+        const VF lo = (VF){0} - 87.33654f, magic = (VF){0} + 12582912.0f; /* 1.5 * 2^23 */    \
+        const VI under = x < lo;                                                              \
+        x = (VF)(((VI)x & ~under) | ((VI)lo & under));                                        \
+        const VF t = x * 1.44269504088896341f + magic;                                        \
+        const VF n = t - magic; /* x / ln 2, rounded to the nearest integer */                \
+        const VF r = x - n * 0.693359375f + n * 2.12194440e-4f;                               \
+        VF p = (VF){0} + 1.9875691500e-4f;                                                    \
+        p = p * r + 1.3981999507e-3f;                                                         \
+        p = p * r + 8.3334519073e-3f;                                                         \
+        p = p * r + 4.1665795894e-2f;                                                         \
+        p = p * r + 1.6666665459e-1f;                                                         \
+        p = p * r + 5.0000001201e-1f;                                                         \
+        p = p * r * r + r + 1.0f;                                                             \
+        const VI pow2 = (((VI)t - (VI)magic) + 127) << 23;                                    \
+        return (VF)((VI)(p * (VF)pow2) & ~under);                                             \
+    }
+DEFINE_EXP(exp_v8f, v8f, v8i)
+DEFINE_EXP(exp_v16f, v16f, v16i)
 static inline v4d exp_v4d(v4d x) {
     for (int i = 0; i < 4; i++) x[i] = exp(x[i]);
     return x;
@@ -168,10 +195,20 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         t0 += m;                                                                              \
     }
 
+#define DECODE_PARAMS(T, KV_T)                                                                \
+    const T *q, int64_t q_row_stride, const KV_T *k, const KV_T *v, int64_t slot_stride,      \
+        const int64_t *rows, const int32_t *tables, int64_t table_stride, const int64_t *seq, \
+        const int64_t *start, const int64_t *ctx, int64_t n_seqs, int64_t block_size,         \
+        int64_t kv_heads, int64_t group, int64_t head_dim, double scale, T *out,              \
+        int64_t out_row_stride, int64_t threads
+#define DECODE_ARGS                                                                           \
+    q, q_row_stride, k, v, slot_stride, rows, tables, table_stride, seq, start, ctx, n_seqs,  \
+        block_size, kv_heads, group, head_dim, scale, out, out_row_stride, threads
+
 /* Arguments, shared by every instantiation:
  *   q            query rows; row r, head j at q + r * q_row_stride + j * head_dim
  *   k, v         caches; slot s, KV head h at k + s * slot_stride + h * head_dim
- *   rows[i]      the query row (and output row) of decode sequence i
+ *   rows[i]      query row i (and its output row)
  *   tables       block tables, int32; sequence i's row is tables + seq[i] * table_stride
  *   seq[i]       its row in the block tables
  *   start[i], ctx[i]  the positions it attends: [start, ctx)
@@ -250,27 +287,22 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         memcpy(o, acc, sizeof(VT) * (size_t)(heads * chunks));                                \
     }                                                                                         \
                                                                                               \
-    int NAME(const T *q, int64_t q_row_stride, const KV_T *k, const KV_T *v,                  \
-             int64_t slot_stride, const int64_t *rows, const int32_t *tables,                 \
-             int64_t table_stride, const int64_t *seq, const int64_t *start,                  \
-             const int64_t *ctx, int64_t n_seqs, int64_t block_size, int64_t kv_heads,        \
-             int64_t group, int64_t head_dim, double scale, T *out,                           \
-             int64_t out_row_stride, int64_t threads) {                                       \
-        if (head_dim % 8 != 0 || head_dim / W > MAX_CHUNKS) return -2;                        \
+    static int NAME(DECODE_PARAMS(T, KV_T)) {                                                 \
+        if (head_dim % 8 != 0 || head_dim % W != 0 || head_dim / W > MAX_CHUNKS) return -2;   \
         int64_t longest = 1;                                                                  \
         for (int64_t i = 0; i < n_seqs; i++)                                                  \
             if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
         longest = (longest + W - 1) / W * W;                                                  \
         const int64_t heads = kv_heads * group;                                               \
         int failed = 0;                                                                       \
-        /* Sequences are shared out one at a time (their contexts differ in length), each     \
+        /* Rows are shared out one at a time (their contexts differ in length), each          \
            thread with scratch rows of its own. */                                            \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_seqs > 1)")           \
         {                                                                                     \
             T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                        \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
-            VT *acc = aligned_alloc(32, sizeof(VT) * (size_t)(heads * head_dim / W));         \
-            VT *dots = aligned_alloc(32, sizeof(VT) * (size_t)(heads * W));                   \
+            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(heads * head_dim / W));         \
+            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(heads * W));                   \
             T *blk_buf = malloc(sizeof(T) * (size_t)(block_size * kv_heads * head_dim));      \
             const int ok = scores != NULL && acc != NULL && dots != NULL && blk_buf != NULL;  \
             if (!ok) {                                                                        \
@@ -304,12 +336,28 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         return failed ? -1 : 0;                                                               \
     }
 
+/* float32: 16 lanes where the CPU has AVX-512 and head_dim is a multiple of 16 (half
+ * the instructions of 8 lanes), else 8. The lanes set the order of each score's sum, so
+ * the two give scores a rounding apart; a node runs one of them for every request. */
+#ifdef __AVX512F__
 #define DEFINE_F32(NAME, KV_T, WIDEN)                                                         \
-    DEFINE_DECODE(NAME, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f, max_v8f,   \
-                  exp_v8f)
+    DEFINE_DECODE(NAME##_w8, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f,       \
+                  max_v8f, exp_v8f)                                                           \
+    DEFINE_DECODE(NAME##_w16, float, v16f, 16, KV_T, WIDEN, load_v16f, hsum_v16f, hsums_v16f, \
+                  max_v16f, exp_v16f)                                                         \
+    int NAME(DECODE_PARAMS(float, KV_T)) {                                                    \
+        return head_dim % 16 == 0 ? NAME##_w16(DECODE_ARGS) : NAME##_w8(DECODE_ARGS);         \
+    }
+#else
+#define DEFINE_F32(NAME, KV_T, WIDEN)                                                         \
+    DEFINE_DECODE(NAME##_w8, float, v8f, 8, KV_T, WIDEN, load_v8f, hsum_v8f, hsums_v8f,       \
+                  max_v8f, exp_v8f)                                                           \
+    int NAME(DECODE_PARAMS(float, KV_T)) { return NAME##_w8(DECODE_ARGS); }
+#endif
 
 DEFINE_F32(pf_decode_f32, float, widen_none)
 DEFINE_F32(pf_decode_f32_f16, f16_t, widen_f16)
 DEFINE_F32(pf_decode_f32_bf16, uint16_t, widen_bf16)
-DEFINE_DECODE(pf_decode_f64, double, v4d, 4, double, widen_none, load_v4d, hsum_v4d, hsums_v4d,
-              max_v4d, exp_v4d)
+DEFINE_DECODE(pf_decode_f64_impl, double, v4d, 4, double, widen_none, load_v4d, hsum_v4d,
+              hsums_v4d, max_v4d, exp_v4d)
+int pf_decode_f64(DECODE_PARAMS(double, double)) { return pf_decode_f64_impl(DECODE_ARGS); }

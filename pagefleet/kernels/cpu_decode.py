@@ -1,6 +1,7 @@
-"""The C decode-attention kernel (`cpu_decode.c`): built on first use, called through ctypes.
+"""The C attention kernel (`cpu_decode.c`): built on first use, called through ctypes.
 
-`cpu_attention` hands it every decode token of a step in one call per layer;
+`cpu_attention` hands it every token of a step in one call per layer (a
+prefill token is one query row over the positions up to its own);
 it shares the sequences out over `torch.get_num_threads()` OpenMP threads,
 torch's own (see cpu_decode.c).
 It is compiled with the system C compiler (``$CC``, else ``cc``) into
