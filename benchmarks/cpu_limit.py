@@ -448,7 +448,8 @@ def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
     saved_sample, saved_attend = engine_module.sample, llama_module.attend
     engine.step = timers.wrap("step", engine.step)
     runner.execute = timers.wrap("execute", runner.execute)
-    runner._metadata = timers.wrap("tensors", runner._metadata)
+    inputs = runner._step_inputs(runner.kv_cache)  # built once, reused by every step
+    inputs.load = timers.wrap("tensors", inputs.load)
     engine_module.sample = timers.wrap("sampling", saved_sample)
     # Both the plain and the fused attention modules call `attend` by its module-level name.
     for module in (llama_module, cpu_linear_module):
@@ -462,7 +463,7 @@ def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
         for module in (llama_module, cpu_linear_module):
             module.attend = saved_attend  # type: ignore[assignment]
         engine_module.sample = saved_sample
-        for obj, name in ((engine, "step"), (runner, "execute"), (runner, "_metadata")):
+        for obj, name in ((engine, "step"), (runner, "execute"), (inputs, "load")):
             delattr(obj, name)
 
 
@@ -473,7 +474,7 @@ def breakdown_rows(t: dict[str, float], total: float) -> list[list[str]]:
         "attention (KV write + paged attention)": t["attention"],
         "rest of the forward (embedding, norms, RoPE, SiLU)":
             t["execute"] - t["linear"] - t["attention"] - t["tensors"],
-        "step tensor building (metadata)": t["tensors"],
+        "step tensor building (StepInputs.load)": t["tensors"],
         "sampling": t["sampling"],
         "Python: scheduling, batch lists, outputs": t["step"] - t["execute"] - t["sampling"],
         "outside step() (generate loop)": total - t["step"],
