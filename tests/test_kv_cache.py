@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -70,6 +72,24 @@ def test_pool_tensor_has_the_documented_layout() -> None:
     assert kv.tensor.dtype == torch.float32
     assert kv.nbytes == 5 * SHAPE.bytes_per_block(8)
     assert not kv.tensor.any()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+def test_a_cpu_pool_is_zeroed_and_takes_memory_only_for_the_blocks_written() -> None:
+    shape = ModelShape(num_layers=16, num_kv_heads=8, head_dim=128, dtype=torch.float32)
+    before = _resident_bytes()
+    kv = KVCache(shape, 1024, 16)  # 2 GiB
+    assert kv.nbytes == 2 << 30
+    assert _resident_bytes() - before < 64 << 20  # not written, so not resident
+    k, v = kv.layer(3)
+    k[7].fill_(1.5)  # one block of one layer: 64 KiB
+    assert _resident_bytes() - before < 64 << 20
+    assert not k[:4].any() and not v[-4:].any() and float(k[7].sum()) == 1.5 * k[7].numel()
 
 
 def test_layer_returns_views_into_the_pool() -> None:

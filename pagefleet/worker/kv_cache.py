@@ -8,6 +8,8 @@ whole blocks of every layer in one indexed op; copies to and from host memory
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,11 +135,17 @@ class KVCache:
         self.device = torch.device(device)
         # Zeroed, not empty: attention reads whole blocks and masks the unused
         # slots, and 0 * NaN from uninitialised memory would still be NaN.
-        self.tensor = torch.zeros(
-            (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
-            dtype=shape.dtype,
-            device=self.device,
-        )
+        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        self._memory: mmap.mmap | None = None
+        if self.device.type == "cpu":
+            # Anonymous memory comes from the kernel zeroed, page by page as it is first
+            # written: a pool of gigabytes costs nothing to create (torch.zeros writes
+            # every page, about a second per 2 GB at a worker's start), and blocks never
+            # used take no memory.
+            self._memory = mmap.mmap(-1, math.prod(dims) * shape.dtype.itemsize)
+            self.tensor = torch.frombuffer(self._memory, dtype=shape.dtype).view(dims)
+        else:
+            self.tensor = torch.zeros(dims, dtype=shape.dtype, device=self.device)
         # The one path for block copies to and from host memory (swap and offload tier).
         self.transfer = BlockTransfer(self.tensor)
 
