@@ -61,10 +61,11 @@ if [[ "$dry_run" -eq 1 ]]; then
   step offload 600 python benchmarks/offload.py --smoke --model smollm2-135m-instruct --threads 1
 else
   # Time limits add up to 480 s. The engine step converts the SmolLM2 GGUF once
-  # (cached on disk); the offload step reuses it.
-  step triton_tests 180 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_write_kv.py
-  step paged_attention 120 python benchmarks/paged_attention.py
-  step engine 120 python benchmarks/gpu_engine.py --device cuda --dtype bfloat16
+  # (cached on disk; the offload step reuses it) and runs three engines (HF, pagefleet
+  # with CUDA graphs, pagefleet eager), so it gets the largest share.
+  step triton_tests 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_write_kv.py
+  step paged_attention 90 python benchmarks/paged_attention.py
+  step engine 180 python benchmarks/gpu_engine.py --device cuda --dtype bfloat16
   step offload 60 python benchmarks/offload.py --model smollm2-135m-instruct --device cuda \
     --dtype bfloat16 --conversations 16 --history 320 --rounds 4
 fi
