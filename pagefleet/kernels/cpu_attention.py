@@ -48,6 +48,12 @@ class _SeqPlan:
     q_start: int
     q_len: int
     ctx: int
+
+
+@dataclass(frozen=True)
+class _Context:
+    """Where the SDPA path finds one sequence's K/V."""
+
     first_block: int  # >= 0: the context is blocks [first_block, ...) in one run
     slots: torch.Tensor | None  # else: its slots, gathered per layer
 
@@ -63,11 +69,29 @@ class _KernelRows:
 
 
 class _StepPlan:
-    """The per-sequence plans of one step, and the kernel's rows per sliding window."""
+    """The per-sequence plans of one step: the kernel's rows per sliding window, and (only
+    where the kernel cannot run) where each sequence's K/V lie for SDPA."""
 
     def __init__(self, seqs: list[_SeqPlan]) -> None:
         self.seqs = seqs
         self._rows: dict[int | None, _KernelRows] = {}
+        self._contexts: list[_Context] | None = None
+
+    def contexts(self, block_tables: torch.Tensor, block_size: int) -> list[_Context]:
+        """Each sequence's context as one run of blocks (a view) or its gathered slots."""
+        if self._contexts is None:
+            tables = block_tables.tolist()
+            self._contexts = []
+            for p in self.seqs:
+                n = -(-p.ctx // block_size)
+                row = tables[p.index][:n]
+                if row == list(range(row[0], row[0] + n)):
+                    self._contexts.append(_Context(row[0], None))
+                else:
+                    blocks = torch.tensor(row, dtype=torch.long)
+                    slots = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)
+                    self._contexts.append(_Context(-1, slots[: p.ctx]))
+        return self._contexts
 
     def kernel_rows(self, sliding_window: int | None) -> _KernelRows:
         """Every token, each over the positions up to its own (the last `sliding_window`
@@ -88,6 +112,7 @@ class _StepPlan:
             self._rows[sliding_window] = cached
         return cached
 
+
 _plans = threading.local()
 
 
@@ -95,7 +120,6 @@ def _plan(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
-    block_size: int,
 ) -> _StepPlan:
     key = tuple((t, t._version) for t in (block_tables, query_start_loc, context_lens))
     cached = getattr(_plans, "entry", None)
@@ -105,18 +129,7 @@ def _plan(
         return cached[1]  # type: ignore[no-any-return]
     qsl = query_start_loc.tolist()
     ctx = context_lens.tolist()
-    tables = block_tables.tolist()
-    plans = []
-    for i, c in enumerate(ctx):
-        n = -(-c // block_size)
-        row = tables[i][:n]
-        if row == list(range(row[0], row[0] + n)):
-            plans.append(_SeqPlan(i, qsl[i], qsl[i + 1] - qsl[i], c, row[0], None))
-        else:
-            blocks = torch.tensor(row, dtype=torch.long)
-            slots = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:c]
-            plans.append(_SeqPlan(i, qsl[i], qsl[i + 1] - qsl[i], c, -1, slots))
-    step = _StepPlan(plans)
+    step = _StepPlan([_SeqPlan(i, qsl[i], qsl[i + 1] - qsl[i], c) for i, c in enumerate(ctx)])
     # Holds the metadata tensors of the last step alive until the next: a few KiB.
     _plans.entry = (key, step)
     return step
@@ -156,15 +169,15 @@ def paged_attention_cpu(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = num_q_heads != num_kv_heads
-    step = _plan(block_tables, query_start_loc, context_lens, block_size)
+    step = _plan(block_tables, query_start_loc, context_lens)
     if _kernel(query, k_cache, v_cache, block_tables, step, scale, sliding_window, out):
         return out
-    for p in step.seqs:
-        if p.slots is None:
-            lo = p.first_block * block_size
+    for p, where in zip(step.seqs, step.contexts(block_tables, block_size), strict=True):
+        if where.slots is None:
+            lo = where.first_block * block_size
             k, v = k_flat[lo : lo + p.ctx], v_flat[lo : lo + p.ctx]
         else:
-            k, v = k_flat.index_select(0, p.slots), v_flat.index_select(0, p.slots)
+            k, v = k_flat.index_select(0, where.slots), v_flat.index_select(0, where.slots)
         start = 0
         if sliding_window is not None and p.q_len == 1:
             start = max(0, p.ctx - sliding_window)  # a decode token sees only the window
