@@ -124,3 +124,26 @@ def test_cluster_modules_import_each_other_without_a_cycle() -> None:
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_processes_that_only_start_or_call_workers_do_not_load_torch() -> None:
+    """The driver, the membership and scheduler actors and the ingress import these modules;
+    torch (about 1.5 CPU-seconds) loads only in a worker's own process, when its engine is
+    built. A fresh interpreter, since this one has torch loaded already."""
+    import subprocess
+    import sys
+
+    modules = [
+        "pagefleet.cluster.app",
+        "pagefleet.cluster.membership",
+        "pagefleet.cluster.serve_app",
+        "pagefleet.cluster.ingress",
+        "pagefleet.scheduler.actor",
+        "pagefleet.worker.actor",
+    ]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

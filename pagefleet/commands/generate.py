@@ -106,7 +106,8 @@ def _run_offline(args: argparse.Namespace, params: Any) -> int:
 
     from pagefleet.worker.chat import ChatTemplateError, chat_prompt
     from pagefleet.worker.config import EngineConfig
-    from pagefleet.worker.engine import LLMEngine, RequestError
+    from pagefleet.worker.engine import LLMEngine
+    from pagefleet.worker.outputs import RequestError
 
     hf_logging.disable_progress_bar()  # stdout/stderr carry the completion only
     preflight.check_generate(args.model, args.device)

@@ -36,16 +36,22 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from pagefleet.worker.async_engine import AsyncEngine
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import EngineStats, RequestError
 from pagefleet.worker.events import SCHEDULER_ACTOR_NAME, KVEventBatch, LoadReport, WorkerInfo
-from pagefleet.worker.kv_migration import ExportedKV, from_bytes, to_bytes
+from pagefleet.worker.outputs import RequestError
 from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest, origin_of
+
+# The engine (and torch with it) loads in the worker's own process only, in
+# `WorkerActor.__init__`: the processes that only create workers or call them (the
+# membership actor, the driver, the ingress) do not pay torch's import (about 1.5
+# CPU-seconds each) at every start.
+if TYPE_CHECKING:
+    from pagefleet.worker.engine import EngineStats
+    from pagefleet.worker.kv_migration import ExportedKV
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ class WorkerActor:
         self.pool = pool
         # A new id per (re)start: the ingress notices a restart by it changing.
         self.incarnation = uuid.uuid4().hex
+        from pagefleet.worker.async_engine import AsyncEngine
+
         engine_config = dataclasses.replace(engine_config, device=resolve_device(engine_config.device))
         self._engine = AsyncEngine(engine_config, on_fatal=_exit_for_restart)
         self._block_size = engine_config.block_size
@@ -214,6 +222,8 @@ class WorkerActor:
             return None
         if exported is None:
             return None
+        from pagefleet.worker.kv_migration import to_bytes
+
         return KVHandoff(
             exported.block_hashes,
             ray.put(to_bytes(exported.blocks)),
@@ -225,6 +235,8 @@ class WorkerActor:
         """Fetch a hand-off's blocks and import them as cached blocks, before the request is
         admitted; on any failure (object lost with its worker, timeout, another layout)
         the request just recomputes them."""
+        from pagefleet.worker.kv_migration import from_bytes
+
         started = time.perf_counter()
         try:
             raw = await asyncio.wait_for(_fetch(kv.blocks), KV_FETCH_TIMEOUT_S)

@@ -25,12 +25,12 @@ from typing import Any, TypeVar
 import torch
 
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import BlockClaims, EngineStats, LLMEngine, RequestError
+from pagefleet.worker.engine import BlockClaims, EngineStats, LLMEngine
 from pagefleet.worker.events import RequestLoad
 from pagefleet.worker.grammar import GrammarError
 from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.lora import LoRAUsage
-from pagefleet.worker.outputs import RequestOutput
+from pagefleet.worker.outputs import RequestError, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

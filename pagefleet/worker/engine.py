@@ -31,7 +31,7 @@ from pagefleet.worker.kv_manager import KVCacheManager, KVStats
 from pagefleet.worker.kv_migration import ExportedKV
 from pagefleet.worker.lora import LoRAUsage
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
-from pagefleet.worker.outputs import RequestOutput
+from pagefleet.worker.outputs import RequestError, RequestOutput
 from pagefleet.worker.sampler import TokenHistory, sample, token_logprobs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.sequence import Request, Sequence, SequenceStatus
@@ -101,10 +101,6 @@ def _sampled_rows(
     if rows == list(range(logits.shape[0])) and all(m is None for m in matchers):
         return logits
     return logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the limit that was broken."""
 
 
 class LLMEngine:

@@ -9,9 +9,9 @@ from typing import Any
 
 from pagefleet.worker.chat import ChatTemplateError, Message, chat_prompt
 from pagefleet.worker.config import EngineConfig
-from pagefleet.worker.engine import EngineStats, LLMEngine, RequestError
+from pagefleet.worker.engine import EngineStats, LLMEngine
 from pagefleet.worker.model_files import DEFAULT_MODEL
-from pagefleet.worker.outputs import CompletionOutput, RequestOutput
+from pagefleet.worker.outputs import CompletionOutput, RequestError, RequestOutput
 from pagefleet.worker.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -1,8 +1,13 @@
-"""What the engine hands back: per-step deltas and finished completions."""
+"""What the engine hands back: per-step deltas, finished completions, and the error for a
+request it refuses (torch-free: a process that only relays requests reads it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the limit that was broken."""
 
 
 @dataclass(frozen=True)
