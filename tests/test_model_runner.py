@@ -457,3 +457,24 @@ def test_triton_kernels_through_the_runner_match_hf_generate_in_float32(
             first = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
             gap = top2_gap(reference, prompt + want[:first])
             assert gap < 1e-4, f"diverged at token {first} with a top-2 logit gap of {gap}"
+
+
+def test_building_an_engine_loads_neither_torch_dynamo_nor_sympy() -> None:
+    """A worker builds its model from the meta device without torch's Python reference
+    ops (a meta `arange` or `empty_like`, a random init of a fused projection): their
+    first use imports torch._dynamo and sympy, over two CPU-seconds at every worker
+    start. A fresh interpreter, since this one may have them loaded already."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from pagefleet.worker.engine import LLMEngine\n"
+        "from pagefleet.worker.config import EngineConfig\n"
+        "LLMEngine(EngineConfig(model='tiny', device='cpu'))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -152,13 +152,13 @@ def fuse_linears(layers: Sequence[Any]) -> nn.Linear:
     if any(m.in_features != first.in_features for m in layers) or len(set(has_bias)) != 1:
         raise ValueError("fused projections need the same input width and all or no biases")
     out = sum(m.out_features for m in layers)
-    fused = nn.Linear(first.in_features, out, bias=has_bias[0], device=first.weight.device,
-                      dtype=first.weight.dtype)  # fmt: skip
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([m.weight for m in layers]))
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([m.bias for m in layers if m.bias is not None]))
-    fused.requires_grad_(False)
+    # Made on the meta device (no random init to overwrite), then given the weights.
+    fused = nn.Linear(first.in_features, out, bias=has_bias[0], device="meta")
+    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in layers]), requires_grad=False)
+    if has_bias[0]:
+        fused.bias = nn.Parameter(
+            torch.cat([m.bias.detach() for m in layers]), requires_grad=False
+        )
     return fused
 
 

@@ -137,11 +137,16 @@ class RotaryEmbedding(nn.Module):
 
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention scaling) of the config's RoPE, as transformers
-    computes them; RoPE types other than the default come from transformers itself."""
+    computes them; RoPE types other than the default come from transformers itself.
+
+    The default RoPE's are made on the CPU even inside `torch.device("meta")`: a meta
+    `arange` goes through torch's Python reference ops, whose first use imports
+    torch._dynamo (over a CPU-second at every model build)."""
     if config.rope_type == "default":
         base = float(config.rope_parameters["rope_theta"])
         dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        positions = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+        inv_freq = 1.0 / (base ** (positions / dim))
         return inv_freq, 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -290,8 +295,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     """
     with torch.device("meta"):
         model = CausalLM(config)
-    model.to_empty(device=device)
-    model.to(dtype)
+    _materialize(model, dtype, device)
     if config.tie_word_embeddings:  # moving the parameters off the meta device untied them
         model.lm_head.weight = model.model.embed_tokens.weight
     # Computed, not loaded (and float32, as transformers keeps it whatever the model's dtype).
@@ -318,6 +322,18 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
         raise WeightsError(f"{config.path}: the checkpoint lacks {', '.join(missing[:5])}")
     model.requires_grad_(False)
     return model.eval()
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """`model.to_empty(device=device).to(dtype)` without torch's Python reference ops: an
+    `empty_like` of a meta tensor goes through them, and their first use imports sympy
+    (over a CPU-second at every model build). Floating-point tensors take `dtype`."""
+    for module in model.modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, old in tensors:
+            kind = dtype if old.is_floating_point() else old.dtype
+            new = torch.empty(old.shape, dtype=kind, device=device)
+            setattr(module, name, nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new)
 
 
 def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
