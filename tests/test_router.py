@@ -687,6 +687,30 @@ def test_two_replicas_pinning_one_session_at_once_settle_on_the_schedulers_last(
     assert zero.router.sessions.get("chat", S1) == one.router.sessions.get("chat", S1) == "w1"
 
 
+@pytest.mark.parametrize("policy", ["prefix_affinity", "least_loaded"])
+def test_replicas_that_have_no_pin_yet_send_a_new_session_to_one_worker(policy: str) -> None:
+    # Replicas whose routers differ in their coins, before either has heard of the
+    # other's pin: idle workers tie, and every session's turns still meet on one
+    # worker, while sessions spread.
+    def first_turn(seed: int, session: SessionKey, gone: str = "") -> str:
+        """Where a replica seeded `seed` sends `session`'s first turn, every worker idle."""
+        router = Router(RouterConfig(speculative_ttl_s=0.0, policy=policy), seed=seed, clock=FakeClock())
+        for i in range(4):
+            router.add_worker(f"w{i}", "chat", block_size=BS)
+            load(router, f"w{i}", 0)
+        if gone:
+            router.remove_worker(gone)
+        return route_b(router, session=session).worker_id
+
+    sessions = [("acme", f"s{i}") for i in range(32)]
+    first = {s: first_turn(1, s) for s in sessions}
+    assert {s: first_turn(2, s) for s in sessions} == first
+    assert set(first.values()) == {"w0", "w1", "w2", "w3"}
+    # A worker's loss moves its sessions only: elsewhere the same worker still wins.
+    moved = {s: first_turn(3, s, gone="w0") for s in sessions}
+    assert {s: w for s, w in moved.items() if first[s] != "w0"} == {s: w for s, w in first.items() if w != "w0"}
+
+
 def test_the_session_header_is_a_lowercase_header_name() -> None:
     assert RouterConfig(session_header="X-Correlation-ID").session_header == "x-correlation-id"
     for bad in ("", "x session", "x-session-bin", "grpc-session"):

@@ -100,8 +100,8 @@ def test_a_sessions_requests_land_on_one_worker_through_both_replicas(cluster: R
 
 def test_different_sessions_spread_and_each_keeps_its_worker(cluster: RunningCluster) -> None:
     # One at a time: no worker ever has a request waiting (which would make it
-    # overloaded, and move its session). Idle workers tie, so 12 new sessions all
-    # on one worker would take 11 coin flips landing the same way.
+    # overloaded, and move its session). Idle workers tie, and a tie goes to the
+    # highest hash of (session, worker): these 12 names land on both workers.
     sessions = [f"spread-{i}" for i in range(12)]
     first = {s: _generate(cluster.grpc_target, _prompt(s, 0), s)[1] for s in sessions}
     assert set(first.values()) == {wid for wid, _ in cluster.workers["default"]}

@@ -49,11 +49,16 @@ above. Otherwise the policy chooses and the session is pinned to its choice
 pin goes to `on_pinned`, which the ingress sends through the scheduler to
 the other replicas (`apply_pin`), so they all send the session's next turn
 to the same worker; a pin used only here is told again before the others'
-copies expire.
+copies expire. Until a new pin arrives, another replica choosing for the
+same session breaks the policy's ties as this one did, by the highest hash
+of (session, worker) rather than by a coin: idle workers tie, so two
+replicas send a session's turns to one worker even before the pin has
+travelled, and a worker's loss moves only the sessions it held.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections import deque
@@ -158,6 +163,10 @@ class _Worker:
         # Routed-but-unreported requests are in pending_blocks already; most of them
         # run at once rather than wait, so they do not count here.
         return self.report.num_waiting if self.report is not None else 0
+
+
+def _rendezvous(tenant: str, session_id: str, worker_id: str) -> bytes:
+    return hashlib.blake2b(f"{tenant}\0{session_id}\0{worker_id}".encode(), digest_size=8).digest()
 
 
 class Router:
@@ -385,11 +394,11 @@ class Router:
         if pinned is not None:
             chosen, matched, cost = pinned, 0, 0.0
         elif policy == "prefix_affinity":
-            chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes, adapter)
+            chosen, matched, offloaded, cost = self._prefix_affinity(candidates, hashes, adapter, session)
         elif policy == "round_robin":
             chosen, matched, cost = self._round_robin(pool, candidates), 0, 0.0
         elif policy == "least_loaded":
-            chosen, matched, cost = self._least_loaded(candidates), 0, 0.0
+            chosen, matched, cost = self._least_loaded(candidates, session), 0, 0.0
         elif policy == "power_of_two":
             pair = self._rng.sample(candidates, 2) if len(candidates) > 1 else candidates
             chosen, matched, cost = self._least_loaded(pair), 0, 0.0
@@ -437,7 +446,11 @@ class Router:
             self._on_pinned(SessionPin(pool, *session, worker.worker_id, ttl))
 
     def _prefix_affinity(
-        self, candidates: list[_Worker], hashes: Sequence[bytes], adapter: str | None = None
+        self,
+        candidates: list[_Worker],
+        hashes: Sequence[bytes],
+        adapter: str | None = None,
+        session: SessionKey | None = None,
     ) -> tuple[_Worker, int, int, float]:
         candidate_mask = 0
         for w in candidates:
@@ -462,7 +475,7 @@ class Router:
                 best, best_cost = [w], cost
             elif cost == best_cost:
                 best.append(w)
-        chosen = best[0] if len(best) == 1 else self._rng.choice(best)
+        chosen = self._tie_break(best, session)
         # Report the real match (what the worker will reuse), even where the guard
         # did not credit it in the cost.
         return chosen, matches.get(chosen.bit, 0), tier.get(chosen.bit, 0), best_cost
@@ -521,12 +534,21 @@ class Router:
         self._rr_next[pool] = i + 1
         return candidates[i % len(candidates)]
 
-    def _least_loaded(self, candidates: list[_Worker]) -> _Worker:
+    def _least_loaded(self, candidates: list[_Worker], session: SessionKey | None = None) -> _Worker:
         cfg = self.config
         scored = [(cfg.w_load * w.load() + cfg.w_queue * w.waiting(), w) for w in candidates]
         low = min(s for s, _ in scored)
-        best = [w for s, w in scored if s == low]
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+        return self._tie_break([w for s, w in scored if s == low], session)
+
+    def _tie_break(self, best: list[_Worker], session: SessionKey | None) -> _Worker:
+        """One of equally good workers: a coin without a session; with one, the same
+        worker on every replica (rendezvous hashing, see the module docstring)."""
+        if len(best) == 1:
+            return best[0]
+        if session is None:
+            return self._rng.choice(best)
+        tenant, session_id = session
+        return max(best, key=lambda w: _rendezvous(tenant, session_id, w.worker_id))
 
     def note_routed_elsewhere(self, worker_id: str, hashes: Sequence[bytes]) -> None:
         """Another replica routed a prompt with these block hashes to `worker_id`:
