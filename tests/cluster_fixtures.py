@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -147,8 +148,10 @@ def worker_stats(cluster: Any, worker_id: str) -> EngineStats:
 @contextmanager
 def local_cluster(config: ClusterConfig, **start: Any) -> Iterator[RunningCluster]:
     """`start_cluster` on a Ray of its own; after `shutdown()` no process it started is
-    left (the GCS, raylet, agents and every actor's worker are this process's descendants)."""
+    left (the GCS, raylet, agents and every actor's worker are this process's descendants),
+    nor a metrics task of its Serve handle in this process."""
     since = time.time()
+    tasks_before = set(serve_metrics_tasks())
     running = start_cluster(config, **start)
     try:
         yield running
@@ -167,3 +170,19 @@ def local_cluster(config: ClusterConfig, **start: Any) -> Iterator[RunningCluste
             return alive
 
         wait_for(lambda: not left(), 30, f"no process of the cluster left ({left()})", 0.2)
+        wait_for(
+            lambda: not set(serve_metrics_tasks()) - tasks_before, 10,
+            f"no Serve metrics task of the cluster's handle left ({serve_metrics_tasks()})", 0.1,
+        )  # fmt: skip
+
+
+def serve_metrics_tasks() -> list[str]:
+    """The metrics tasks of Serve handles' routers running in this process (on Serve's
+    shared router thread, which outlives Ray): "MetricsPusher.metrics_task at 0x..."."""
+    from ray.serve._private.router import SingletonThreadRouter
+
+    loop = SingletonThreadRouter._asyncio_loop
+    if loop is None:
+        return []
+    coros = [task.get_coro() for task in asyncio.all_tasks(loop)]
+    return [repr(c) for c in coros if "Metrics" in getattr(c, "__qualname__", "")]

@@ -139,6 +139,7 @@ class RunningCluster:
     def shutdown(self) -> None:
         """Delete the Serve app (and Serve, when no other app runs on it), the workers and the
         scheduler (and Ray, if we started it)."""
+        _close_handle(self.ingress)
         if self.local_ray:
             # Ray stops every actor with it. Shutting Serve down first only makes the
             # killed controller's pending calls log "ServeController.graceful_shutdown
@@ -160,6 +161,18 @@ class RunningCluster:
             logger.exception("withdrawing the autoscaler request failed")
         for scheduler in self.schedulers:
             ray.kill(scheduler, no_restart=True)
+
+
+def _close_handle(handle: Any) -> None:
+    """Stop this process's router of a Serve handle: its metrics tasks run on Serve's shared
+    router thread and outlive Ray, each push failing (and logged) from then on. It waits
+    for a push in flight (at most Serve's 10 s), which needs no GCS."""
+    if handle is None:
+        return
+    try:
+        handle.shutdown()
+    except Exception:  # shutting down anyway
+        logger.debug("closing the ingress handle failed", exc_info=True)
 
 
 def _local_gcs_process() -> Any:
