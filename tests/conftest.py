@@ -45,7 +45,8 @@ def _module_rank(items: list[pytest.Item]) -> int:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The cluster modules first, then the slow ones, each module's tests kept together and
-    in order: pytest-xdist's `--dist loadfile` hands out modules in this order, so the long
+    in order: pytest-xdist's `--dist loadfile` hands out modules in this order (pyproject's
+    `--no-loadscope-reorder`: by default it re-sorts them by test count), so the long
     ones start early and the short ones fill the end, instead of one cluster module
     running alone at the end while the other test processes sit idle."""
     modules: dict[str, list[pytest.Item]] = {}
