@@ -215,28 +215,26 @@ def test_a_scale_out_that_starts_only_some_workers_removes_the_started_ones_agai
     try:
         # Two more, though only one fits: nodes are said to be on their way (an autoscaler),
         # so nothing is refused up front; one loads, the other is never placed.
-        args = ["scale", "--pool", "default", "--workers", "3", "--timeout", "12", "--wait-for-nodes"]
+        args = ["scale", "--pool", "default", "--workers", "3", "--timeout", "20", "--wait-for-nodes"]
         assert main(args) == 2
         # One line (Ray's own log lines of the cluster's actors may come with it).
         lines = capsys.readouterr().err.splitlines()
         [err] = [line for line in lines if line.startswith("pagefleet scale: error: ")]
     finally:
         remove_placement_group(hog)
-    # Rolled back: the worker that found room is removed again (or, on a machine too busy
-    # for it to load within the timeout, was never added).
     rolled_back = re.search(
-        r"scale of pool 'default' to 3 failed and was rolled back \((removed (default-\d+) again|none had "
-        r"started); the pool keeps 1\): worker (default-\d+) did not start within 12s: ", err
+        r"scale of pool 'default' to 3 failed and was rolled back \(removed (default-\d+) again; "
+        r"the pool keeps 1\): worker (default-\d+) did not start within 20s: ", err
     )  # fmt: skip
     assert rolled_back, err
-    _, started, unplaced = rolled_back.groups()
+    started, unplaced = rolled_back.groups()
     assert kept not in (started, unplaced)
     assert "1 worker(s) cannot be placed" in err
     # The started worker was drained and removed: gone from every view, its actor ended.
     wait_for(lambda: set(_workers(cluster)) == {kept}, 30, f"{started} gone from GetStatus")
     view = ray.get(cluster.scheduler.get_view.remote(), timeout=30)
     assert {w.worker_id for w in view.workers} == {kept}
-    for worker_id in filter(None, (started, unplaced)):
+    for worker_id in (started, unplaced):
         with pytest.raises(ValueError):
             ray.get_actor(worker_actor_name(worker_id), namespace=NAMESPACE)
     assert generate(cluster.grpc_target, "still serving", max_tokens=2)[-1].worker_id == kept
