@@ -21,8 +21,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # cluster, and the next module's ray.init would fail ("called ray.init twice").
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
+import signal
+
 import pytest
 import torch
+
+# A suite started in the background by a shell without job control (a CI runner, `cmd &` in a
+# script) inherits SIGINT ignored, as POSIX has it, and so would every process it starts: a
+# Python one (Ray's `serve run`) then installs no KeyboardInterrupt handler and never hears a
+# test's SIGINT. Handle it as in a terminal; the processes started from here get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Under pytest-xdist each of the two test processes gets one core's worth of threads.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)

@@ -116,16 +116,6 @@ def _serving(target: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-# Ray's `serve run` CLI, with Ctrl-C (SIGINT) handled as in a terminal. A suite started in the
-# background by a shell without job control (a CI runner, `cmd &` in a script) inherits SIGINT
-# ignored, as POSIX has it, and Python then installs no KeyboardInterrupt handler: `serve run`
-# would never hear the fixture's SIGINT, and sit out its wait until killed.
-SERVE_RUN_WITH_CTRL_C = (
-    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'serve'; runpy.run_module('ray.serve.scripts', run_name='__main__')"
-)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`serve run` of manifests/serve.yaml (free ports), as a user runs it; SIGINT at the end."""
@@ -139,7 +129,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     # `ray start` cluster, whose address file a bare `serve run` would join).
     env["RAY_ADDRESS"] = "local"
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE_RUN_WITH_CTRL_C, "run", str(_serve_config(tmp, ports))],
+        [sys.executable, "-m", "ray.serve.scripts", "run", str(_serve_config(tmp, ports))],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
