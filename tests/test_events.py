@@ -38,6 +38,8 @@ def make_report(**overrides: object) -> LoadReport:
         evictions=9,
         prefix_query_tokens=640,
         prefix_hit_tokens=320,
+        progress=5120,
+        step_s=4.75,
         committed_blocks=12,
         priority_claims={0: (2, 30), 5: (1, 8)},
         origin_claims={"replica-a": 38},
@@ -58,11 +60,14 @@ def test_load_report_round_trips_every_field() -> None:
     assert LoadReport.decode(report.encode()) == report
 
 
+@pytest.mark.parametrize("name", ["kv_import_s_per_block", "step_s"])
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "0.1"])
-def test_a_measured_cost_that_is_no_finite_non_negative_number_is_refused(bad: object) -> None:
+def test_a_measured_cost_that_is_no_finite_non_negative_number_is_refused(
+    name: str, bad: object
+) -> None:
     obj = msgpack.unpackb(make_report().encode())
-    obj["kv_import_s_per_block"] = bad
-    with pytest.raises(EventDecodeError, match="kv_import_s_per_block"):
+    obj[name] = bad
+    with pytest.raises(EventDecodeError, match=name):
         LoadReport.decode(msgpack.packb(obj))
 
 

@@ -67,6 +67,12 @@ async def _settled(actor: WorkerActor) -> dict[str, int]:
     raise AssertionError(f"blocks still live: {stats}")
 
 
+
+async def _report(actor: WorkerActor) -> LoadReport:
+    """The load report the actor's next push to the scheduler would carry."""
+    report, _ = await actor._next_report(snapshot=False)
+    return LoadReport.decode(report)
+
 def test_a_handed_off_request_ends_its_stream_naming_the_target_and_frees_its_blocks(
     offline: LLM,
 ) -> None:
@@ -156,7 +162,7 @@ def test_the_worker_report_carries_the_shortage_after_a_preemption() -> None:
         # The streams buffer; the engine runs on until one of them is preempted.
         while (await actor.stats()).preemptions_total == 0:
             await asyncio.sleep(0.002)
-        report = LoadReport.decode(actor._load_report())
+        report = await _report(actor)
         for s in streams:
             await s.aclose()
         await _settled(actor)
@@ -226,10 +232,10 @@ def test_a_hand_off_by_transfer_carries_the_blocks_and_the_target_computes_only_
     async def main() -> tuple[list[TokenDelta], list[TokenDelta], dict[str, int], dict[str, int],
                               LoadReport, LoadReport]:
         source, target = _actor(), _actor()
-        before = LoadReport.decode(target._load_report())
+        before = await _report(target)
         got = await _handed_off(source, 5)
         rest = await _resume(target, got, got[-1].kv)
-        after = LoadReport.decode(target._load_report())
+        after = await _report(target)
         return got, rest, await _settled(source), await _settled(target), before, after
 
     got, rest, source_stats, target_stats, before, after = asyncio.run(main())

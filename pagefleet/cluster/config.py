@@ -460,7 +460,8 @@ class SchedulerConfig(Section):
     wait_queue_size: Annotated[int, Field(ge=0)] = 256
     evict_low_watermark: float = 0.05
     evict_high_watermark: float = 0.10
-    # A worker with work that streams nothing this long leaves routing (hung).
+    # A worker with work that computes no token this long leaves routing (hung), unless it
+    # still reports from inside a step that has run less than 20 times this.
     stall_timeout_s: PositiveSeconds = 3.0
     # How often each worker's index is compared with a snapshot (index drift metric).
     index_check_interval_s: PositiveSeconds = 10.0

@@ -273,7 +273,7 @@ def start_scheduler(
     worker needs. `detached` makes it outlive the driver (for `pagefleet serve`
     joining a long-lived cluster). `eviction`: the free-block watermarks it
     asks workers to keep (`SchedulerConfig.eviction_watermarks()`; None: off).
-    `stall_timeout_s`: a worker with work that streams nothing this long leaves
+    `stall_timeout_s`: a worker with work that computes nothing this long leaves
     routing. `index_check_interval_s`: how often each worker is asked for a
     snapshot to measure index drift. `shard`: which scheduler shard (its actor
     name, `shard_actor_name`). `migration`: when a worker short of blocks hands

@@ -209,7 +209,7 @@ class ClusterState:
             return
         restarted = entry.report is None or entry.report.incarnation != report.incarnation
         has_work = report.num_running + report.num_waiting > 0
-        entry.signs.reported(now, report.progress, has_work, restarted)
+        entry.signs.reported(now, report.progress, has_work, restarted, report.step_s)
         entry.report = report
 
     # ----- eviction -------------------------------------------------------
@@ -286,7 +286,8 @@ class ClusterState:
         return entry is not None and self._judge(entry, self._clock()).alive
 
     def is_stalled(self, worker_id: str) -> bool:
-        """Has work but streamed nothing for `stall_timeout_s` (KeyError if unknown)."""
+        """Hung: has work but computed nothing for `stall_timeout_s`, in no step it still
+        reports from (`LivenessRule.judge`; KeyError if unknown)."""
         return self._judge(self._workers[worker_id], self._clock()).stalled
 
     def _judge(self, entry: _Entry, now: float) -> Liveness:

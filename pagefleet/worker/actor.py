@@ -13,7 +13,9 @@ to the ingress replicas. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
 for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
-without anyone calling it. The push's ack may order a hand-off (migration):
+without anyone calling it. A step that runs long (a long prompt's prefill
+chunk) does not hold the report back: it goes out on time with the state
+read after the previous step and how long this one has run. The push's ack may order a hand-off (migration):
 the worker aborts that request and ends its stream with `migrated_to`, and
 the ingress resumes it on the named worker. When the order says to transfer
 (`scheduler.migration_transfer`), the worker first copies the request's full,
@@ -50,6 +52,7 @@ from pagefleet.worker.wire import KVHandoff, TokenDelta, WorkerRequest, origin_o
 # membership actor, the driver, the ingress) do not pay torch's import (about 1.5
 # CPU-seconds each) at every start.
 if TYPE_CHECKING:
+    from pagefleet.worker.async_engine import ReportState
     from pagefleet.worker.engine import EngineStats
     from pagefleet.worker.kv_migration import ExportedKV
 
@@ -104,7 +107,6 @@ class WorkerActor:
         self._scheduler_name = scheduler_name  # the shard owning this worker's pool
         self._report_seq = 0
         self._kv_seq = 0
-        self._progress = 0  # tokens streamed by this incarnation: the scheduler's progress sign
         self._active: set[str] = set()  # ids of the requests streaming now
         self._migrating: dict[str, _Handoff] = {}  # request id -> where it is handed to
         self._kv_import_failures = 0  # hand-offs whose blocks could not be fetched or imported
@@ -115,6 +117,7 @@ class WorkerActor:
         # cancels the import, and the request ends there instead of being submitted.
         self._importing: dict[str, asyncio.Task[None]] = {}
         self._preemptions_seen = 0
+        self._last_state: ReportState | None = None  # the engine's state at the last report
         self._migrations_out = 0  # hand-offs ordered by the scheduler, for GetStatus
         self._reporter: asyncio.Task[None] | None = None
         with contextlib.suppress(RuntimeError):  # an async actor's __init__ runs on its loop
@@ -151,7 +154,6 @@ class WorkerActor:
                 num_resumed_tokens=request.num_resumed_tokens,
             )
             async for out in stream:
-                self._progress += len(out.new_token_ids) or 1
                 if out.error is not None:  # this request alone failed; the engine goes on
                     yield TokenDelta(error=out.error, error_code="internal")
                     return
@@ -301,13 +303,33 @@ class WorkerActor:
 
     # ----- scheduler reports --------------------------------------------
 
-    def _load_report(self) -> bytes:
+    async def _next_report(self, snapshot: bool, wait_s: float | None = None) -> tuple[bytes, bytes]:
+        """The next load report and KV batch (with `snapshot`, of every held hash).
+
+        The engine's state is read between two steps, off the event loop. While
+        a step runs on past `wait_s` (the report loop's `report_interval_s`: a
+        long prefill chunk), the report goes anyway: the state read last time,
+        how long the step has run so far (`LoadReport.step_s`) and a KV batch
+        without events (they wait in the engine for the next one). So the
+        scheduler hears from a busy worker on time. The first report waits.
+        """
+        state = await asyncio.to_thread(
+            self._engine.report_state, self._preemptions_seen, snapshot=snapshot,
+            wait_s=wait_s if self._last_state is not None else None,
+        )  # fmt: skip
+        step_s = 0.0
+        events: list[tuple[str, bytes]] = []
+        adapters: tuple[str, ...] = ()
+        reset = False
+        if state is None:
+            assert self._last_state is not None
+            state, step_s = self._last_state, self._engine.step_seconds()
+        else:
+            self._last_state = state
+            self._preemptions_seen = state.block_preemptions
+            events, adapters, reset = state.kv_events, state.kv_adapters, snapshot
         self._report_seq += 1
-        # A preemption for want of a block since the last report means short of
-        # blocks, even when the victim got back in before this report was taken.
-        state = self._engine.report_state(self._preemptions_seen)
-        self._preemptions_seen = state.block_preemptions
-        return LoadReport.from_engine_stats(
+        report = LoadReport.from_engine_stats(
             self.worker_id,
             self.pool,
             self._report_seq,
@@ -315,7 +337,8 @@ class WorkerActor:
             tenant_live_blocks=state.tenant_live_blocks,
             tenant_cap_refusals=state.tenant_cap_refusals,
             incarnation=self.incarnation,
-            progress=self._progress,
+            progress=state.tokens_computed,
+            step_s=step_s,
             committed_blocks=state.claims.committed,
             priority_claims=state.claims.by_priority,
             origin_claims=_by_origin(state.claims.by_request),
@@ -328,20 +351,13 @@ class WorkerActor:
             lora_slots=state.lora.slots,
             lora_loads=state.lora.loads,
             lora_evictions=state.lora.evictions,
-        ).encode()
-
-    def _kv_batch(self, snapshot: bool) -> bytes:
-        """The next KV batch: the events since the last one, or a snapshot of every held hash."""
+        )
         self._kv_seq += 1
-        events, adapters = self._engine.kv_events(snapshot)
-        return KVEventBatch.from_engine(
-            self.worker_id,
-            self._kv_seq,
-            events,
-            reset=snapshot,
-            incarnation=self.incarnation,
-            adapters=adapters,
-        ).encode()
+        batch = KVEventBatch.from_engine(
+            self.worker_id, self._kv_seq, events, reset=reset,
+            incarnation=self.incarnation, adapters=adapters,
+        )  # fmt: skip
+        return report.encode(), batch.encode()
 
     def _ensure_reporter(self) -> None:
         if self._reporter is None and self._report_interval_s > 0:
@@ -372,9 +388,8 @@ class WorkerActor:
                         snapshot = True
                         # A fresh scheduler state knows of no duplicates told before.
                         self._engine.mark_duplicated(())
-                    ack = await scheduler.push.remote(
-                        self.worker_id, self._load_report(), self._kv_batch(snapshot)
-                    )
+                    report = await self._next_report(snapshot, self._report_interval_s)
+                    ack = await scheduler.push.remote(self.worker_id, *report)
                     snapshot = ack.snapshot
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))

@@ -89,6 +89,11 @@ class ReportState:
     block_preemptions: int  # for want of a block, so far: the next call's preemptions_seen
     recompute_s_per_token: float
     lora: LoRAUsage = field(default_factory=LoRAUsage)  # the adapter slots
+    tokens_computed: int = 0  # `LLMEngine.tokens_computed`: the worker's progress
+    # The prefix cache's events since the last report (every held hash for a snapshot),
+    # with the adapter of each (`AsyncEngine.kv_events`).
+    kv_events: list[tuple[str, bytes]] = field(default_factory=list)
+    kv_adapters: tuple[str, ...] = ()
 
 
 class AsyncEngine:
@@ -114,6 +119,8 @@ class AsyncEngine:
         # wait, the engine thread pauses before its next step so that they get in
         # (a plain Lock is not fair: the engine thread would take it straight back).
         self._waiting: deque[None] = deque()
+        # When the step now running began (time.monotonic()); None between steps.
+        self._step_started: float | None = None
         self._stopped = False
         self._error: BaseException | None = None
         self._on_fatal = on_fatal
@@ -214,18 +221,25 @@ class AsyncEngine:
         with self._between_steps():
             return self.engine.stats()
 
-    def report_state(self, preemptions_seen: int) -> ReportState:
-        """Everything a load report needs, read between the same two steps (one wait for
-        the lock, so a busy engine still reports on time).
+    def report_state(
+        self, preemptions_seen: int, *, snapshot: bool = False, wait_s: float | None = None
+    ) -> ReportState | None:
+        """Everything a load report needs, with the prefix cache's events (`kv_events`),
+        read between the same two steps (one wait for the lock, so a busy engine still
+        reports on time); None when the step now running does not end within `wait_s`
+        (None: wait for it), and then no event is drained.
 
         Blocks short is `LLMEngine.blocks_short`, at least 1 when the engine
         preempted for want of a block since `preemptions_seen`; the requests
         (`LLMEngine.request_loads`) only when it is above 0.
         """
-        with self._between_steps():
+        with self._between_steps(wait_s) as entered:
+            if not entered:
+                return None
             engine = self.engine
             count = engine.scheduler.block_preemptions
             short = max(engine.blocks_short(), 1 if count > preemptions_seen else 0)
+            events = engine.snapshot_kv() if snapshot else engine.drain_kv_events()
             return ReportState(
                 stats=engine.stats(),
                 tenant_live_blocks=engine.tenant_live_blocks(),
@@ -236,20 +250,20 @@ class AsyncEngine:
                 block_preemptions=count,
                 recompute_s_per_token=engine.scheduler.recompute_seconds_per_token,
                 lora=engine.lora_usage(),
+                tokens_computed=engine.tokens_computed,
+                kv_events=events,
+                kv_adapters=engine.kv_event_adapters(events),
             )
+
+    def step_seconds(self) -> float:
+        """How long the step now running has run; 0.0 between steps (read without the lock)."""
+        started = self._step_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def evict_cached(self, n: int) -> int:
         """`LLMEngine.evict_cached`, between two steps (waits for the current step to end)."""
         with self._between_steps():
             return self.engine.evict_cached(n)
-
-    def kv_events(self, snapshot: bool) -> tuple[list[tuple[str, bytes]], tuple[str, ...]]:
-        """Prefix-cache events since the last drain (with `snapshot`, every held hash as
-        `LLMEngine.snapshot_kv`), and the adapter of each (`LLMEngine.kv_event_adapters`),
-        between two steps."""
-        with self._between_steps():
-            events = self.engine.snapshot_kv() if snapshot else self.engine.drain_kv_events()
-            return events, self.engine.kv_event_adapters(events)
 
     def mark_duplicated(self, hashes: tuple[bytes, ...]) -> None:
         """`LLMEngine.mark_duplicated`, between two steps."""
@@ -270,17 +284,19 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread
 
     @contextlib.contextmanager
-    def _between_steps(self) -> Iterator[None]:
-        """Hold the engine between two steps (waits for the current one to end)."""
+    def _between_steps(self, wait_s: float | None = None) -> Iterator[bool]:
+        """Hold the engine between two steps: waits for the current one to end, at most
+        `wait_s` (None: as long as it takes); yields whether it got in."""
         self._waiting.append(None)
         try:
-            self._lock.acquire()
+            entered = self._lock.acquire(timeout=-1 if wait_s is None else wait_s)
         finally:
             self._waiting.pop()
         try:
-            yield
+            yield entered
         finally:
-            self._lock.release()
+            if entered:
+                self._lock.release()
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -319,7 +335,13 @@ class AsyncEngine:
                         except queue.Empty:
                             break
                     busy = self.engine.has_unfinished_requests()
-                    outputs = self.engine.step() if busy else []
+                    outputs = []
+                    if busy:
+                        self._step_started = time.monotonic()
+                        try:
+                            outputs = self.engine.step()
+                        finally:
+                            self._step_started = None
                 self._dispatch(outputs)
                 while self._waiting and not self._stopped:
                     time.sleep(YIELD_S)  # let the waiting callers in before the next step

@@ -148,6 +148,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._pending: list[RequestOutput] = []  # abort deltas, reported by the next step
         self._num_aborted = 0
+        # Tokens run through the model so far (prefill and decode): the engine's progress,
+        # which a long prefill advances chunk by chunk before it streams its first token.
+        self.tokens_computed = 0
         # The adapter of each registered hash an adapter request computed, while the pool
         # or the offload tier holds it (for `kv_event_adapters`).
         self._adapter_of: dict[bytes, str] = {}
@@ -404,6 +407,7 @@ class LLMEngine:
                 num_prefill += n
         started = time.perf_counter()
         logits = self.runner.execute(batch)
+        self.tokens_computed += len(batch.input_ids)
         self.scheduler.observe_step(
             len(batch.input_ids), num_prefill, time.perf_counter() - started
         )

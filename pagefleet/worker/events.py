@@ -74,7 +74,7 @@ def _strings(obj: Mapping[str, Any], name: str) -> tuple[str, ...]:
 
 
 def _cost(obj: Mapping[str, Any], name: str) -> float:
-    """A measured cost: finite and >= 0."""
+    """A measured cost or duration: finite and >= 0."""
     value = float(_get(obj, name, (int, float)))
     if not value >= 0 or value == float("inf"):
         raise EventDecodeError(f"field {name!r} must be finite and >= 0, got {value}")
@@ -176,9 +176,13 @@ class LoadReport:
     # Per LoRA adapter: its loads into a device slot, and its evictions from one, cumulative.
     lora_loads: Mapping[str, int] = field(default_factory=dict)
     lora_evictions: Mapping[str, int] = field(default_factory=dict)
-    # Cumulative tokens this worker incarnation has streamed out: the scheduler's
-    # sign of progress (a worker with work whose count stands still is hung).
+    # Cumulative tokens this worker incarnation has run through its model (prefill and
+    # decode): the scheduler's sign of progress (a worker with work whose count stands
+    # still is hung, unless it reports that a step is running: `step_s`).
     progress: int = 0
+    # How long the engine's current step had run when the report was taken (0.0 between
+    # steps). A report taken during a long step repeats the state read after the one before.
+    step_s: float = 0.0
     # Admission against the full request: blocks the requests here will still take to
     # reach their max_tokens, and per priority (sequences, blocks they claim in all);
     # the lowest priority is the one a more important arrival could preempt.
@@ -261,6 +265,7 @@ class LoadReport:
                 "incarnation": self.incarnation,
                 **{name: getattr(self, name) for name in _TIER_INT_FIELDS},
                 "progress": self.progress,
+                "step_s": float(self.step_s),
                 "committed": self.committed_blocks,
                 # msgpack map keys must be strings here (strict_map_key)
                 "priority_claims": {str(p): list(c) for p, c in self.priority_claims.items()},
@@ -306,6 +311,7 @@ class LoadReport:
             incarnation=_get(obj, "incarnation", str),
             **{name: _get(obj, name, int) for name in _TIER_INT_FIELDS},
             progress=_get(obj, "progress", int),
+            step_s=_cost(obj, "step_s"),
             committed_blocks=_get(obj, "committed", int),
             priority_claims=_priority_claims(obj),
             origin_claims=_count_map(obj, "origin_claims"),
@@ -333,6 +339,7 @@ class LoadReport:
         timestamp: float | None = None,
         incarnation: str = "",
         progress: int = 0,
+        step_s: float = 0.0,
         committed_blocks: int = 0,
         priority_claims: Mapping[int, tuple[int, int]] | None = None,
         origin_claims: Mapping[str, int] | None = None,
@@ -368,6 +375,7 @@ class LoadReport:
             incarnation=incarnation,
             **{name: getattr(stats, name) for name in _TIER_INT_FIELDS},
             progress=progress,
+            step_s=step_s,
             committed_blocks=committed_blocks,
             priority_claims=dict(priority_claims or {}),
             origin_claims=dict(origin_claims or {}),

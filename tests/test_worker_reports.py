@@ -1,0 +1,75 @@
+"""A worker's load reports while its engine is inside a long step (a long prompt's
+prefill chunk on a slow CPU): the report goes on time, with the state read after
+the previous step, how long this one has run, and no KV event drained.
+
+A `WorkerActor` is a plain class: here it runs in-process around a tiny engine
+whose forward is made to take a second, as on a machine far slower than this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pagefleet import SamplingParams
+from pagefleet.worker.actor import WorkerActor
+from pagefleet.worker.config import EngineConfig
+from pagefleet.worker.events import KVEventBatch, LoadReport
+from pagefleet.worker.wire import WorkerRequest
+
+STEP_S = 1.0  # each forward, as slowed down here
+WAIT_S = 0.2  # the report's wait for the step to end (the report loop's report_interval_s)
+
+
+async def _report(actor: WorkerActor, wait_s: float | None) -> tuple[LoadReport, KVEventBatch, float]:
+    started = time.monotonic()
+    report, batch = await actor._next_report(snapshot=False, wait_s=wait_s)
+    return LoadReport.decode(report), KVEventBatch.decode(batch), time.monotonic() - started
+
+
+def test_a_report_during_a_long_step_goes_on_time_with_the_last_state_and_the_steps_age() -> None:
+    config = EngineConfig(model="tiny", block_size=4, num_kv_blocks=64)
+    actor = WorkerActor("w0", "default", config, report_interval_s=0)
+    runner = actor._engine.engine.runner
+    forward = runner.execute
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(STEP_S)
+        return forward(*args, **kwargs)
+
+    runner.execute = slow_forward
+
+    async def main() -> list[tuple[LoadReport, KVEventBatch, float]]:
+        reports = [await _report(actor, WAIT_S)]  # idle: read at once
+        prompt = tuple(range(5, 45))  # 10 blocks' worth of prompt, one prefill step
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        stream = actor.generate(WorkerRequest("r0@r1", prompt, params))
+        reading = asyncio.ensure_future(_drain(stream))
+        while actor._engine.step_seconds() == 0.0:
+            await asyncio.sleep(0.01)
+        reports.append(await _report(actor, WAIT_S))  # inside the prefill step
+        await reading
+        reports.append(await _report(actor, WAIT_S))  # after it: between steps
+        return reports
+
+    try:
+        (idle, _, _), (busy, busy_batch, waited), (done, done_batch, _) = asyncio.run(main())
+    finally:
+        actor._engine.shutdown()
+    # Inside the step: on time, the idle state again (nothing computed yet, no events
+    # drained), and the step's age so far.
+    assert waited < STEP_S
+    assert busy.seq == idle.seq + 1 and busy.progress == idle.progress == 0
+    assert busy.live_blocks == idle.live_blocks and busy.num_running == idle.num_running == 0
+    assert WAIT_S <= busy.step_s < STEP_S
+    assert busy_batch.events == () and not busy_batch.reset
+    # After it: the prompt and the generated token (the second one's input) counted as
+    # computed, the prompt's full blocks as stored events, and no step running.
+    assert done.progress == 40 + 1 and done.step_s == 0.0
+    assert [kind for kind, _ in done_batch.events] == ["stored"] * 10
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
