@@ -8,7 +8,7 @@ starts it again a few seconds later with the same command line (KubeRay
 restarts the head pod; here the GCS process alone restarts, so the head's
 raylet and the actors on it live on), and records what the clients saw. Each
 test then checks one thing about it: the streams' output is the no-fault
-output and tokens kept arriving while the GCS was down, health stayed serving,
+output (the pool's engine run in the test's process) and tokens kept arriving while the GCS was down, health stayed serving,
 requests after the GCS is back succeed, no KV block leaked, and stopping the
 server leaves no process of it.
 
@@ -48,6 +48,7 @@ from ray._private.state import actors as actors_in_gcs
 from ray_nodes import RayNodes, ray_nodes, redis_server
 from serve_process import ServeProcess, free_port, serving
 
+from pagefleet import LLM, SamplingParams
 from pagefleet.cluster.config import ClusterConfig, ConfigError
 from pagefleet.cluster.gcs_watch import (
     GIVE_UP_MARGIN_S,
@@ -192,14 +193,13 @@ def _start_streams(target: str) -> tuple[list[Stream], list[threading.Thread]]:
     return streams, clients
 
 
-def _no_fault_tokens(target: str) -> dict[str, list[int]]:
-    """The same streams, all at once, with nothing failing: the answer to compare with."""
-    streams, clients = _start_streams(target)
-    for client in clients:
-        client.join(timeout=300)
-    for stream in streams:
-        assert stream.error is None, f"no-fault run of {stream.prompt!r}: {stream.error!r}"
-    return {stream.prompt: tokens_of(stream.messages) for stream in streams}
+def _no_fault_tokens() -> dict[str, list[int]]:
+    """The same streams with nothing failing, on the pool's engine in this process (no
+    cluster, no GCS): the answer to compare with."""
+    engine = {k: v for k, v in POOL.items() if k not in ("workers", "device")}
+    llm = LLM(**engine)  # type: ignore[arg-type]
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, temperature=0.0))
+    return {prompt: list(out.token_ids) for prompt, out in zip(PROMPTS, outputs, strict=True)}
 
 
 def _run_stream(target: str, stream: Stream) -> None:
@@ -233,7 +233,7 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outage]:
         with serving(args, tmp / "serve.log") as server:
             server.wait_serving()
             target, http_url = server.endpoint("gRPC"), server.endpoint("HTTP").removesuffix("/v1")
-            want = _no_fault_tokens(target)
+            want = _no_fault_tokens()
             streams, clients = _start_streams(target)
             deadline = time.monotonic() + 120
             while not all(s.messages or s.error for s in streams):
