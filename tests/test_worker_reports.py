@@ -1,6 +1,7 @@
 """A worker's load reports while its engine is inside a long step (a long prompt's
 prefill chunk on a slow CPU): the report goes on time, with the state read after
-the previous step, how long this one has run, and no KV event drained.
+the previous step, how long this one has run, and no KV event drained; a poll of
+the engine's counters meanwhile waits without holding the actor's event loop.
 
 A `WorkerActor` is a plain class: here it runs in-process around a tiny engine
 whose forward is made to take a second, as on a machine far slower than this one.
@@ -48,8 +49,12 @@ def test_a_report_during_a_long_step_goes_on_time_with_the_last_state_and_the_st
         reading = asyncio.ensure_future(_drain(stream))
         while actor._engine.step_seconds() == 0.0:
             await asyncio.sleep(0.01)
+        # A poll of the engine's counters waits for the step's end on a thread: the
+        # report still goes on time.
+        polling = asyncio.ensure_future(actor.stats())
         reports.append(await _report(actor, WAIT_S))  # inside the prefill step
-        await reading
+        assert not polling.done()
+        await asyncio.gather(reading, polling)
         reports.append(await _report(actor, WAIT_S))  # after it: between steps
         return reports
 

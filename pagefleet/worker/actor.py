@@ -15,7 +15,10 @@ for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
 without anyone calling it. A step that runs long (a long prompt's prefill
 chunk) does not hold the report back: it goes out on time with the state
-read after the previous step and how long this one has run. The push's ack may order a hand-off (migration):
+read after the previous step and how long this one has run. Every call that
+reads the engine between two steps (the report, `stats`, `info`, eviction)
+waits on a thread, never on the actor's event loop, so a long step stalls
+none of the actor's streams, polls or reports. The push's ack may order a hand-off (migration):
 the worker aborts that request and ends its stream with `migrated_to`, and
 the ingress resumes it on the named worker. When the order says to transfer
 (`scheduler.migration_transfer`), the worker first copies the request's full,
@@ -267,7 +270,7 @@ class WorkerActor:
     async def info(self) -> dict[str, Any]:
         """Identity and placement of this worker incarnation."""
         self._ensure_reporter()
-        stats = self._engine.stats()
+        stats = await asyncio.to_thread(self._engine.stats)
         return {
             "worker_id": self.worker_id,
             "pool": self.pool,
@@ -284,7 +287,7 @@ class WorkerActor:
     async def stats(self) -> EngineStats:
         """The engine's pool and queue counters (`LLMEngine.stats()`), with the hand-offs
         whose KV blocks could not be imported (`kv_import_failures`)."""
-        return self._with_import_failures(self._engine.stats())
+        return self._with_import_failures(await asyncio.to_thread(self._engine.stats))
 
     def _with_import_failures(self, stats: EngineStats) -> EngineStats:
         return dataclasses.replace(stats, kv_import_failures=self._kv_import_failures)
@@ -299,7 +302,7 @@ class WorkerActor:
 
     async def check_integrity(self) -> None:
         """Raise AssertionError if the block pool's bookkeeping is inconsistent."""
-        self._engine.check_integrity()
+        await asyncio.to_thread(self._engine.check_integrity)
 
     # ----- scheduler reports --------------------------------------------
 
@@ -387,7 +390,7 @@ class WorkerActor:
                         )
                         snapshot = True
                         # A fresh scheduler state knows of no duplicates told before.
-                        self._engine.mark_duplicated(())
+                        await asyncio.to_thread(self._engine.mark_duplicated, ())
                     report = await self._next_report(snapshot, self._report_interval_s)
                     ack = await scheduler.push.remote(self.worker_id, *report)
                     snapshot = ack.snapshot
@@ -401,11 +404,11 @@ class WorkerActor:
                         if ack.duplicated is not None:
                             # Kept until the next change: every eviction (on allocation
                             # too) takes these before the last copies of a prefix.
-                            self._engine.mark_duplicated(ack.duplicated)
+                            await asyncio.to_thread(self._engine.mark_duplicated, ack.duplicated)
                         if ack.evict_blocks > 0:
                             # Below the free-block watermark: evict cached blocks now, so
                             # the next bursts allocate from the free list.
-                            self.evict_cached(ack.evict_blocks)
+                            await asyncio.to_thread(self.evict_cached, ack.evict_blocks)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
