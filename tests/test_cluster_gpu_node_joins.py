@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from cluster_fixtures import pool_status, small_cluster_config
+from cluster_fixtures import pool_status, small_cluster_config, wait_for
 from ray._private.state import available_resources_per_node
 from ray_nodes import RayNodes, ray_nodes
 
@@ -44,6 +44,11 @@ def test_a_worker_added_after_a_gpu_node_joined_takes_its_gpu(nodes: RayNodes, r
     gpu_node = nodes.add_node(num_cpus=1, num_gpus=1)
     result = ray.get(running.membership.scale.remote("default", 2), timeout=300)
     (added,) = result["added"]
-    placed = {w.worker_id: w.node_id for w in pool_status(running.grpc_target).workers}
-    assert placed[added] == gpu_node.node_id
+
+    def placed() -> dict[str, str]:
+        return {w.worker_id: w.node_id for w in pool_status(running.grpc_target).workers}
+
+    # In the scheduler's view when scale returns; the ingress's copy follows by a delta.
+    wait_for(lambda: added in placed(), 30, f"{added} in the ingress's view")
+    assert placed()[added] == gpu_node.node_id
     assert available_resources_per_node()[gpu_node.node_id].get("GPU", 0.0) == 0.0
