@@ -10,7 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagefleet.cluster.app import start_local_ray  # noqa: E402
+from pagefleet.cluster.app import start_local_ray, stop_local_ray  # noqa: E402
 from pagefleet.scheduler.actor import (  # noqa: E402
     SCHEDULER_NAME,
     ReportAck,
@@ -42,7 +42,7 @@ def ray_session() -> Iterator[None]:
         start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     if started:
-        ray.shutdown()
+        stop_local_ray()  # SIGKILL: Ray's own stop waits on processes that ignore SIGTERM
 
 
 @pytest.fixture

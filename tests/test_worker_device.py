@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from pagefleet.cluster.app import start_local_ray
+from pagefleet.cluster.app import start_local_ray, stop_local_ray
 from pagefleet.worker.actor import resolve_device
 
 
@@ -23,7 +23,7 @@ def ray_with_a_gpu() -> Iterator[None]:
     try:
         yield
     finally:
-        ray.shutdown()
+        stop_local_ray()  # SIGKILL: Ray's own stop waits on processes that ignore SIGTERM
 
 
 @ray.remote

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from pagefleet import LLM, SamplingParams
-from pagefleet.cluster.app import start_local_ray
+from pagefleet.cluster.app import start_local_ray, stop_local_ray
 from pagefleet.worker import model_files
 from pagefleet.worker.actor import WorkerActor
 from pagefleet.worker.config import EngineConfig
@@ -205,7 +205,7 @@ def local_ray() -> Iterator[None]:
     try:
         yield
     finally:
-        ray.shutdown()
+        stop_local_ray()  # SIGKILL: Ray's own stop waits on processes that ignore SIGTERM
 
 
 async def _handed_off(source: WorkerActor, n_tokens: int) -> list[TokenDelta]:
