@@ -15,7 +15,8 @@ auto) and on a float16 cache; the parts of the SDPA path on the float32
 cache: the slot gather alone, the SDPA calls alone on already gathered K/V,
 and SDPA on one-token contexts (the fixed cost of 32 calls); and the floor:
 one pass over the K/V bytes the step reads (a sum over a contiguous copy of
-them). `--quick`: 4 layers, 2 rounds.
+them), from memory (each layer its own copy, as the kernel reads them) and
+from the CPU's caches (one layer's copy again). `--quick`: 4 layers, 2 rounds.
 
 `--prefill`: one prefill chunk instead (the kernel takes every token of a
 step: token i of a chunk is one query row over the positions up to its own),
@@ -135,7 +136,11 @@ def main() -> None:
     print(f"{len(ctx)} sequences, {sum(ctx)} cached tokens, {layers} layers: "
           f"{cache32[0].nbytes / 1e6:.1f} MB of float32 K/V per layer")
 
-    read = torch.cat([torch.cat(kv) for kv in gathered[0]])  # the bytes a layer's step reads
+    # The bytes each layer's step reads, one copy per layer: summing them all streams them
+    # from memory, as the kernel reads its layers' caches; one layer's copy read again and
+    # again stays in the CPU's caches.
+    reads = [torch.cat([torch.cat(kv) for kv in gathered[i]]) for i in range(layers)]
+    read = reads[0]
 
     def attention(cache: torch.Tensor, fused: bool) -> Callable[[], None]:
         def run() -> None:
@@ -162,9 +167,11 @@ def main() -> None:
                     F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True)
         return run
 
-    def floor() -> None:
-        for _ in range(layers):
-            read.sum()
+    def floor(cached: bool) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(layers):
+                (read if cached else reads[i]).sum()
+        return run
 
     methods = {
         "C kernel, float32 KV (auto)": attention(cache32, True),
@@ -174,7 +181,8 @@ def main() -> None:
         "  float32 part: slot gather only": gather,
         "  float32 part: SDPA only (gathered K/V)": sdpa(False),
         "  float32 part: SDPA fixed cost (1-token contexts)": sdpa(True),
-        "one pass over the K/V bytes read (float32)": floor,
+        "one pass over the K/V bytes read, from memory": floor(False),
+        "one pass over the K/V bytes read, from the caches": floor(True),
     }
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     per_layer: dict[str, list[float]] = {name: [] for name in methods}

@@ -38,7 +38,8 @@ def test_cpu_decode_attention_benchmark_quick_prints_every_row() -> None:
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for row in ("float32 KV (auto)", "float16 KV", "slot gather only", "SDPA only"):
+    for row in ("float32 KV (auto)", "float16 KV", "slot gather only", "SDPA only",
+                "bytes read, from memory", "bytes read, from the caches"):
         assert row in proc.stdout
 
 
