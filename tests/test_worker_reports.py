@@ -23,10 +23,13 @@ STEP_S = 1.0  # each forward, as slowed down here
 WAIT_S = 0.2  # the report's wait for the step to end (the report loop's report_interval_s)
 
 
-async def _report(actor: WorkerActor, wait_s: float | None) -> tuple[LoadReport, KVEventBatch, float]:
+async def _report(
+    actor: WorkerActor, wait_s: float | None, snapshot: bool = False
+) -> tuple[LoadReport, KVEventBatch, float, bool]:
     started = time.monotonic()
-    report, batch = await actor._next_report(snapshot=False, wait_s=wait_s)
-    return LoadReport.decode(report), KVEventBatch.decode(batch), time.monotonic() - started
+    report, batch, as_asked = await actor._next_report(snapshot=snapshot, wait_s=wait_s)
+    took = time.monotonic() - started
+    return LoadReport.decode(report), KVEventBatch.decode(batch), took, as_asked
 
 
 def test_a_report_during_a_long_step_goes_on_time_with_the_last_state_and_the_steps_age() -> None:
@@ -41,7 +44,7 @@ def test_a_report_during_a_long_step_goes_on_time_with_the_last_state_and_the_st
 
     runner.execute = slow_forward
 
-    async def main() -> list[tuple[LoadReport, KVEventBatch, float]]:
+    async def main() -> list[tuple[LoadReport, KVEventBatch, float, bool]]:
         reports = [await _report(actor, WAIT_S)]  # idle: read at once
         prompt = tuple(range(5, 45))  # 10 blocks' worth of prompt, one prefill step
         params = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -52,23 +55,24 @@ def test_a_report_during_a_long_step_goes_on_time_with_the_last_state_and_the_st
         # A poll of the engine's counters waits for the step's end on a thread: the
         # report still goes on time.
         polling = asyncio.ensure_future(actor.stats())
-        reports.append(await _report(actor, WAIT_S))  # inside the prefill step
+        # Inside the prefill step, asked for a snapshot (the scheduler's index drifted).
+        reports.append(await _report(actor, WAIT_S, snapshot=True))
         assert not polling.done()
         await asyncio.gather(reading, polling)
         reports.append(await _report(actor, WAIT_S))  # after it: between steps
         return reports
 
     try:
-        (idle, _, _), (busy, busy_batch, waited), (done, done_batch, _) = asyncio.run(main())
+        (idle, *_), (busy, busy_batch, waited, busy_as_asked), (done, done_batch, *_) = asyncio.run(main())
     finally:
         actor._engine.shutdown()
     # Inside the step: on time, the idle state again (nothing computed yet, no events
-    # drained), and the step's age so far.
+    # drained, the snapshot still owed), and the step's age so far.
     assert waited < STEP_S
     assert busy.seq == idle.seq + 1 and busy.progress == idle.progress == 0
     assert busy.live_blocks == idle.live_blocks and busy.num_running == idle.num_running == 0
     assert WAIT_S <= busy.step_s < STEP_S
-    assert busy_batch.events == () and not busy_batch.reset
+    assert busy_batch.events == () and not busy_batch.reset and not busy_as_asked
     # After it: the prompt and the generated token (the second one's input) counted as
     # computed, the prompt's full blocks as stored events, and no step running.
     assert done.progress == 40 + 1 and done.step_s == 0.0

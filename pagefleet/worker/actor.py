@@ -306,8 +306,12 @@ class WorkerActor:
 
     # ----- scheduler reports --------------------------------------------
 
-    async def _next_report(self, snapshot: bool, wait_s: float | None = None) -> tuple[bytes, bytes]:
-        """The next load report and KV batch (with `snapshot`, of every held hash).
+    async def _next_report(
+        self, snapshot: bool, wait_s: float | None = None
+    ) -> tuple[bytes, bytes, bool]:
+        """The next load report and KV batch (with `snapshot`, of every held hash), and
+        whether the batch is what was asked for (a snapshot asked for during a long step
+        is still owed).
 
         The engine's state is read between two steps, off the event loop. While
         a step runs on past `wait_s` (the report loop's `report_interval_s`: a
@@ -360,7 +364,7 @@ class WorkerActor:
             self.worker_id, self._kv_seq, events, reset=reset,
             incarnation=self.incarnation, adapters=adapters,
         )  # fmt: skip
-        return report.encode(), batch.encode()
+        return report.encode(), batch.encode(), reset == snapshot
 
     def _ensure_reporter(self) -> None:
         if self._reporter is None and self._report_interval_s > 0:
@@ -391,9 +395,11 @@ class WorkerActor:
                         snapshot = True
                         # A fresh scheduler state knows of no duplicates told before.
                         await asyncio.to_thread(self._engine.mark_duplicated, ())
-                    report = await self._next_report(snapshot, self._report_interval_s)
-                    ack = await scheduler.push.remote(self.worker_id, *report)
-                    snapshot = ack.snapshot
+                    report, batch, as_asked = await self._next_report(
+                        snapshot, self._report_interval_s
+                    )
+                    ack = await scheduler.push.remote(self.worker_id, report, batch)
+                    snapshot = ack.snapshot or not as_asked
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))
                     for request_id, target, transfer in ack.migrate:
