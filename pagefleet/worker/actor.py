@@ -18,15 +18,15 @@ chunk) does not hold the report back: it goes out on time with the state
 read after the previous step and how long this one has run. Every call that
 reads the engine between two steps (the report, `stats`, `info`, eviction)
 waits on a thread, never on the actor's event loop, so a long step stalls
-none of the actor's streams, polls or reports. The push's ack may order a hand-off (migration):
-the worker aborts that request and ends its stream with `migrated_to`, and
-the ingress resumes it on the named worker. When the order says to transfer
-(`scheduler.migration_transfer`), the worker first copies the request's full,
-registered KV blocks out of its pool, between the same two engine steps as
-the abort, and puts them in the object store; the last delta carries them as
-a `KVHandoff`, and the target worker fetches and imports them as cached
-blocks before it admits the resumed request, so it recomputes only the
-partial tail block. A hand-off it cannot fetch (or import) in
+none of the actor's streams, polls or reports. The push's ack may order a
+hand-off (migration): the worker aborts that request and ends its stream with
+`migrated_to`, and the ingress resumes it on the named worker. When the order
+says to transfer (`scheduler.migration_transfer`), the worker first copies the
+request's full, registered KV blocks out of its pool, between the same two
+engine steps as the abort, and puts them in the object store; the last delta
+carries them as a `KVHandoff`, and the target worker fetches and imports them
+as cached blocks before it admits the resumed request, so it recomputes only
+the partial tail block. A hand-off it cannot fetch (or import) in
 `KV_FETCH_TIMEOUT_S` is recomputed instead.
 """
 
@@ -333,6 +333,8 @@ class WorkerActor:
             state, step_s = self._last_state, self._engine.step_seconds()
         else:
             self._last_state = state
+            # A preemption for want of a block since the last report means short of
+            # blocks, even when the victim got back in before this report was taken.
             self._preemptions_seen = state.block_preemptions
             events, adapters, reset = state.kv_events, state.kv_adapters, snapshot
         self._report_seq += 1

@@ -90,8 +90,9 @@ class ReportState:
     recompute_s_per_token: float
     lora: LoRAUsage = field(default_factory=LoRAUsage)  # the adapter slots
     tokens_computed: int = 0  # `LLMEngine.tokens_computed`: the worker's progress
-    # The prefix cache's events since the last report (every held hash for a snapshot),
-    # with the adapter of each (`AsyncEngine.kv_events`).
+    # The prefix cache's events since the last report (`LLMEngine.drain_kv_events`; every
+    # held hash for a snapshot, `LLMEngine.snapshot_kv`), and the adapter of each
+    # (`LLMEngine.kv_event_adapters`).
     kv_events: list[tuple[str, bytes]] = field(default_factory=list)
     kv_adapters: tuple[str, ...] = ()
 
