@@ -8,9 +8,9 @@ starts it again a few seconds later with the same command line (KubeRay
 restarts the head pod; here the GCS process alone restarts, so the head's
 raylet and the actors on it live on), and records what the clients saw. Each
 test then checks one thing about it: the streams' output is the no-fault
-output (the pool's engine run in the test's process) and tokens kept arriving while the GCS was down, health stayed serving,
-requests after the GCS is back succeed, no KV block leaked, and stopping the
-server leaves no process of it.
+output (the pool's engine run in the test's process) and tokens kept arriving
+while the GCS was down, health stayed serving, requests after the GCS is back
+succeed, no KV block leaked, and stopping the server leaves no process of it.
 
 Without fault tolerance the behaviour is the one of issue 21 and is tested
 where it lives: health turns NOT_SERVING within seconds
