@@ -229,11 +229,20 @@ class RayNodes:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _kill_mine(self) -> None:
-        """SIGKILL every process running under this cluster's temp dir."""
-        for pid, argv in list(_processes()):
-            if any(self.temp_dir in a for a in argv):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        """SIGKILL every process of this cluster and wait until none runs: each one whose
+        command line names its temp dir (GCS, raylets, monitors) and every process below
+        those. Ray's agents and workers retitle themselves (`ray::DashboardAgent`), so their
+        command lines no longer name it: found by the argv alone, a node's two agents
+        outlived its raylet by a minute."""
+        roots = [pid for pid, argv in _processes() if any(self.temp_dir in a for a in argv)]
+        victims = [*roots, *_descendants(*roots)]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (left := [pid for pid in victims if _state(pid) not in ("", "Z")]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes of the Ray cluster under {self.temp_dir} survived SIGKILL: {left}"
 
     def _ray_start(self, *args: str, last: bool = False) -> bool:
         """Run `ray start`; False when its raylet did not register in time and this is not
@@ -323,8 +332,8 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process below `root` (children, their children, ...)."""
+def _descendants(*roots: int) -> list[int]:
+    """Every process below the `roots` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -334,7 +343,7 @@ def _descendants(root: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
+    found, todo = [], list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)
