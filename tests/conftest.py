@@ -15,6 +15,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # later (with a token, Ray's default) would refuse it (InvalidAuthToken).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray lowers every worker process (each actor: the engines, the ingress, the scheduler) to
+# nice 15. Its GCS and raylet, this process and everything else the suite runs stay at 0,
+# and on a busy 2-core machine a nice-15 actor gets about 1/30 of a core beside a nice-0
+# test: a cluster's start-up then waits minutes (a `pagefleet serve --address` start, 10 s
+# alone, took 150-220 s beside three busy loops). Tests share the machine with their clusters.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # No Ray API call starts or joins a Ray by itself (Ray's auto-connect, a plain ray.init()
 # that joins the cluster in Ray's address file): a thread a past module left running
 # (Serve's handle loop after its Ray went) would connect this process to some other test's
