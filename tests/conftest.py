@@ -21,6 +21,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # test: a cluster's start-up then waits minutes (a `pagefleet serve --address` start, 10 s
 # alone, took 150-220 s beside three busy loops). Tests share the machine with their clusters.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# A local Ray's start waits this long for its GCS to publish its port (`start_local_ray`
+# gives 120 s, for a starved machine), and it waits the whole time even when the GCS is
+# already gone: in full runs a GCS started beside another test's Ray start exited before
+# it wrote a log line (a zombie at once, cause not found), and the start then sat out the
+# 120 s before its retry. Ray's own default, 30 s, is ample for a live GCS here.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")
 # No Ray API call starts or joins a Ray by itself (Ray's auto-connect, a plain ray.init()
 # that joins the cluster in Ray's address file): a thread a past module left running
 # (Serve's handle loop after its Ray went) would connect this process to some other test's
