@@ -132,7 +132,7 @@ def other_ray_head() -> Iterator[str]:
     if head.poll() is not None:
         port, head = _ray_head()
     try:
-        assert head.poll() is None, "the other Ray head did not start twice"
+        assert head.poll() is None, "the other Ray head timed out during startup twice"
         yield f"127.0.0.1:{port}"
     finally:
         head.send_signal(signal.SIGTERM)
