@@ -349,7 +349,7 @@ def cluster() -> Iterator[RayUpCluster]:
             running.ray("up", "-y", "--no-config-cache", str(config))
         except AssertionError as failed:
             # Beside the suite's other modules the head's `ray start` can time out (its
-            # GCS answered no RPC for minutes, twice in four full runs): `ray up` stops
+            # GCS answered no RPC for minutes, in two of six full runs one day): `ray up` stops
             # and starts the head's Ray again, as an operator would rerun it.
             if "timed out during startup" not in str(failed):
                 raise
