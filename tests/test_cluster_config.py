@@ -536,3 +536,12 @@ def test_check_of_a_bad_config_exits_2_with_one_line_naming_the_field(
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("pagefleet serve: error: invalid config: ") and field in line
+
+
+def test_an_idle_worker_heartbeats_at_a_third_of_the_report_deadline_never_faster_than_it_reports() -> None:
+    scheduler = ClusterConfig.from_dict({"pools": [{"name": "p"}]}).scheduler
+    assert (scheduler.report_interval_s, scheduler.report_timeout_s, scheduler.heartbeat_s) == (0.5, 3.0, 1.0)
+    tight = ClusterConfig.from_dict(
+        {"pools": [{"name": "p"}], "scheduler": {"report_interval_s": 0.4, "report_timeout_s": 0.6}}
+    )
+    assert tight.scheduler.heartbeat_s == 0.4

@@ -185,6 +185,48 @@ def test_worker_evicts_what_the_scheduler_asks_between_steps(ray_session: None) 
         ray.kill(sched, no_restart=True)
 
 
+def test_an_idle_worker_pushes_only_its_heartbeats_and_a_request_makes_it_report_again(
+    ray_session: None,
+) -> None:
+    sched = start_scheduler(namespace=NAMESPACE, report_timeout_s=5.0)
+    worker = create_worker(
+        "idle-worker", "chat",
+        EngineConfig(model="tiny", block_size=4, num_kv_blocks=32, max_model_len=64),
+        namespace=NAMESPACE, name="idle-worker", report_interval_s=0.1, heartbeat_s=1.0,
+    )  # fmt: skip
+
+    def heard() -> tuple[bool, float | None]:
+        workers = ray.get(sched.get_view.remote()).workers
+        return (workers[0].alive, workers[0].last_report_at) if workers else (False, None)
+
+    try:
+        deadline = time.monotonic() + 60
+        while heard()[1] is None:
+            assert time.monotonic() < deadline, "the worker never reported"
+            time.sleep(0.1)
+        time.sleep(1.5)  # past the first pushes of its start
+        pushes, end = set(), time.monotonic() + 3.5
+        while time.monotonic() < end:
+            alive, at = heard()
+            assert alive, "an idle worker on heartbeats fell out of its 5 s deadline"
+            pushes.add(at)
+            time.sleep(0.05)
+        # Every 0.1 s that would be 35 pushes; on 1 s heartbeats at most 5 (4 and the start).
+        assert 2 <= len(pushes) <= 5, sorted(pushes)
+        # A request is news again: its blocks reach the scheduler's index.
+        stream = worker.generate.options(num_returns="streaming").remote(
+            WorkerRequest("r1", tuple(range(3, 20)), SamplingParams(max_tokens=4, ignore_eos=True))
+        )
+        for ref in stream:
+            ray.get(ref)
+        while not ray.get(sched.cached_hashes.remote("idle-worker")):
+            assert time.monotonic() < deadline, "the request's blocks never reached the scheduler"
+            time.sleep(0.05)
+    finally:
+        ray.kill(worker, no_restart=True)
+        ray.kill(sched, no_restart=True)
+
+
 def test_pushed_kv_events_reach_a_subscriber_as_deltas(scheduler: Any) -> None:
     generation = ray.get(scheduler.register_worker.remote(WorkerInfo("w0", "chat", 64)))
     first: ViewUpdate = ray.get(scheduler.subscribe.remote(None, 0, 0.1))

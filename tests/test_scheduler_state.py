@@ -118,6 +118,39 @@ def test_view_version_bumps_on_change(state: ClusterState) -> None:
     assert state.view().version > before
 
 
+def test_an_idle_workers_unchanged_push_renews_its_life_and_publishes_nothing(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    idle = LoadReport("w0", "chat", 1, 0.0, 100, 90, 0, 10, 60)
+    assert state.push(idle, KVEventBatch("w0", 1, incarnation="")).published  # the first news
+    version = state.view().version
+    for seq in range(2, 6):  # heartbeats: the same load, no KV event
+        clock.now += 2.0
+        result = state.push(dataclasses.replace(idle, seq=seq, timestamp=float(seq)), KVEventBatch("w0", seq))
+        assert result.registered and not result.published
+        assert state.is_alive("w0")  # 8 s in all against a 3 s deadline
+    assert state.view().version == version
+    assert state.updates_since(7, version).deltas == ()
+    # A new load is news, and so is a KV event on the same load.
+    assert state.push(dataclasses.replace(idle, seq=6, free_blocks=89), KVEventBatch("w0", 6)).published
+    stored = KVEventBatch("w0", 7, (("stored", b"h" * 16),))
+    assert state.push(dataclasses.replace(idle, seq=7, free_blocks=89), stored).published
+    assert [d.stored for d in state.updates_since(7, version).deltas] == [(), (b"h" * 16,)]
+
+
+def test_a_heartbeat_after_a_missed_deadline_publishes_the_worker_alive_again(
+    state: ClusterState, clock: FakeClock
+) -> None:
+    idle = LoadReport("w0", "chat", 1, 0.0, 100, 90, 0, 10, 60)
+    state.push(idle, KVEventBatch("w0", 1))
+    clock.now += 4.0
+    assert state.tick() >= 1 and not state.is_alive("w0")
+    version = state.view().version
+    assert state.push(dataclasses.replace(idle, seq=2), KVEventBatch("w0", 2)).published
+    [delta] = [d for d in state.updates_since(7, version).deltas if d.info.worker_id == "w0"]
+    assert delta.alive
+
+
 def test_deregistered_worker_leaves_the_view(state: ClusterState) -> None:
     assert state.deregister_worker("w1")
     assert not state.deregister_worker("w1")

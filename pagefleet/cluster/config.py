@@ -509,6 +509,12 @@ class SchedulerConfig(Section):
             )
         return self
 
+    @property
+    def heartbeat_s(self) -> float:
+        """How often an idle worker pushes when nothing changed: a third of
+        `report_timeout_s`, and never more often than `report_interval_s`."""
+        return max(self.report_interval_s, self.report_timeout_s / 3)
+
     def eviction_watermarks(self) -> EvictionWatermarks | None:
         """How the scheduler steers workers' eviction: watermarks and replica awareness.
 

@@ -445,6 +445,7 @@ class Membership:
             name=worker_actor_name(worker_id),
             namespace=self._namespace,
             report_interval_s=self._config.scheduler.report_interval_s,
+            heartbeat_s=self._config.scheduler.heartbeat_s,
             scheduler_name=self._scheduler_names[pool.name],
             torch_threads=max(1, int(shape.num_cpus)),
             scheduling_strategy="SPREAD",  # one per GPU, across the nodes

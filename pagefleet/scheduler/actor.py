@@ -130,7 +130,8 @@ class SchedulerActor:
         if load.worker_id != worker_id:
             raise ValueError(f"push from {worker_id!r} carries worker_id {load.worker_id!r}")
         result = self._state.push(load, batch)
-        self._wake()
+        if result.published:
+            self._wake()
         move = self._state.migration_order(worker_id) if result.registered else None
         return ReportAck(
             self._state.generation, result.registered, result.evict_blocks, result.snapshot,

@@ -60,16 +60,21 @@ class PushResult:
     # Its hashes another live worker of the pool keeps: evict them before last
     # copies. None: no change since the last push (keep what you have).
     duplicated: tuple[bytes, ...] | None = None
+    # The push changed the view (a delta for the subscribers); False for a heartbeat.
+    published: bool = False
 
 
 class _Entry:
-    __slots__ = ("draining", "duplicated_at", "duplicated_sent", "info", "published", "report", "signs")
+    __slots__ = (
+        "draining", "duplicated_at", "duplicated_sent", "info", "published", "report", "shown", "signs",
+    )  # fmt: skip
 
     def __init__(self, info: WorkerInfo, now: float) -> None:
         self.info = info
         self.report: LoadReport | None = None
         self.signs = LifeSigns(now)
         self.published = Liveness.LIVE  # the verdict its latest delta carried
+        self.shown: LoadReport | None = None  # the report its latest delta carried
         self.draining = False  # being removed: out of routing, its streams finish
         # As the worker last heard it; a worker starts (and registers) with none.
         self.duplicated_sent: frozenset[bytes] = frozenset()
@@ -193,14 +198,27 @@ class ClusterState:
             return PushResult(registered=False)
         self._take_report(entry, report)
         change = self._index.apply(report.worker_id, batch, self._clock())
-        self._publish(entry, change)
+        published = self._is_news(entry, batch, change)
+        if published:
+            self._publish(entry, change)
         due = self._index.check_due(report.worker_id, self._clock(), self.index_check_interval_s)
         return PushResult(
             registered=True,
             snapshot=change.snapshot or due,
             evict_blocks=self.blocks_to_evict(report.worker_id),
             duplicated=self._duplicates_news(entry),
+            published=published,
         )
+
+    def _is_news(self, entry: _Entry, batch: KVEventBatch, change: IndexChange) -> bool:
+        """Whether a push tells subscribers anything: a KV change, a drift check, a new
+        verdict or a load other than their last delta's. An idle worker's push is a
+        heartbeat: liveness (decided here) takes it, and no delta goes out."""
+        if batch.reset or change.stored or change.removed or change.offload_stored or change.offload_removed:
+            return True
+        if self._judge(entry, self._clock()) is not entry.published:
+            return True
+        return entry.report is not None and not entry.report.same_load(entry.shown)
 
     def _take_report(self, entry: _Entry, report: LoadReport) -> None:
         now = self._clock()
@@ -439,6 +457,7 @@ class ClusterState:
     def _publish(self, entry: _Entry, change: IndexChange | None = None) -> None:
         """Append the worker's current state (and what `change` did to its index)."""
         verdict = entry.published = self._judge(entry, self._clock())
+        entry.shown = entry.report
         c = change or _NO_CHANGE
         self._log.append(
             WorkerDelta(

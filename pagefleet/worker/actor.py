@@ -8,6 +8,8 @@ one worker.
 
 Load reports and KV events leave the worker one way: every
 `report_interval_s` the worker pushes both (msgpack, `pagefleet.worker.events`)
+(an idle worker whose state has not changed since its last push only every
+`heartbeat_s`, which keeps it alive in the scheduler's eyes)
 to the central scheduler (the shard owning its pool, when it is sharded), which holds the cluster's one view and fans it out
 to the ingress replicas. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
@@ -88,6 +90,7 @@ class WorkerActor:
         engine_config: EngineConfig,
         *,
         report_interval_s: float = 0.5,
+        heartbeat_s: float | None = None,
         scheduler_namespace: str | None = None,
         scheduler_name: str = SCHEDULER_ACTOR_NAME,
         torch_threads: int | None = None,
@@ -106,6 +109,7 @@ class WorkerActor:
         self._engine = AsyncEngine(engine_config, on_fatal=_exit_for_restart)
         self._block_size = engine_config.block_size
         self._report_interval_s = report_interval_s
+        self._heartbeat_s = report_interval_s if heartbeat_s is None else heartbeat_s
         self._scheduler_namespace = scheduler_namespace
         self._scheduler_name = scheduler_name  # the shard owning this worker's pool
         self._report_seq = 0
@@ -308,7 +312,7 @@ class WorkerActor:
 
     async def _next_report(
         self, snapshot: bool, wait_s: float | None = None
-    ) -> tuple[bytes, bytes, bool]:
+    ) -> tuple[LoadReport, KVEventBatch, bool]:
         """The next load report and KV batch (with `snapshot`, of every held hash), and
         whether the batch is what was asked for (a snapshot asked for during a long step
         is still owed).
@@ -361,12 +365,11 @@ class WorkerActor:
             lora_loads=state.lora.loads,
             lora_evictions=state.lora.evictions,
         )
-        self._kv_seq += 1
         batch = KVEventBatch.from_engine(
-            self.worker_id, self._kv_seq, events, reset=reset,
+            self.worker_id, self._kv_seq + 1, events, reset=reset,
             incarnation=self.incarnation, adapters=adapters,
         )  # fmt: skip
-        return report.encode(), batch.encode(), reset == snapshot
+        return report, batch, reset == snapshot
 
     def _ensure_reporter(self) -> None:
         if self._reporter is None and self._report_interval_s > 0:
@@ -376,6 +379,8 @@ class WorkerActor:
         scheduler: Any = None
         generation: int | None = None
         snapshot = True  # the scheduler has no consistent index of this incarnation yet
+        pushed: LoadReport | None = None  # the last report pushed, and when
+        pushed_at = -float("inf")
         while True:
             try:
                 if scheduler is None:
@@ -400,7 +405,12 @@ class WorkerActor:
                     report, batch, as_asked = await self._next_report(
                         snapshot, self._report_interval_s
                     )
-                    ack = await scheduler.push.remote(self.worker_id, report, batch)
+                    now = time.monotonic()
+                    if _idle(report, batch, pushed) and now - pushed_at < self._heartbeat_s:
+                        await asyncio.sleep(self._report_interval_s)
+                        continue
+                    self._kv_seq, pushed, pushed_at = batch.seq, report, now
+                    ack = await scheduler.push.remote(self.worker_id, report.encode(), batch.encode())
                     snapshot = ack.snapshot or not as_asked
                     if ack.dead_replicas:
                         self._abort_orphans(set(ack.dead_replicas))
@@ -433,6 +443,13 @@ class WorkerActor:
             if origin_of(request_id) in dead_replicas:
                 logger.info("worker %s: aborting %s of a dead ingress", self.worker_id, request_id)
                 self._abort(request_id)
+
+
+def _idle(report: LoadReport, batch: KVEventBatch, pushed: LoadReport | None) -> bool:
+    """A push that would tell the scheduler nothing but that the worker lives: no
+    request, no KV event, the load of the last push."""
+    no_work = report.num_running + report.num_waiting == 0
+    return no_work and not batch.events and not batch.reset and report.same_load(pushed)
 
 
 def _by_origin(by_request: dict[str, int]) -> dict[str, int]:
@@ -488,6 +505,7 @@ def create_worker(
     name: str | None = None,
     namespace: str | None = None,
     report_interval_s: float = 0.5,
+    heartbeat_s: float | None = None,
     scheduler_name: str = SCHEDULER_ACTOR_NAME,
     torch_threads: int | None = None,
     scheduling_strategy: Any = None,
@@ -498,9 +516,10 @@ def create_worker(
     `max_restarts=-1`: Ray brings a dead worker back (empty cache, new
     incarnation) and it rejoins routing. `max_task_retries=0`: a stream cut by
     a failure is resumed by the ingress on another worker, never replayed by
-    Ray on the same one. `scheduler_name`: the named scheduler actor (the
-    shard owning `pool`) the worker pushes to. `label_selector`: only nodes with
-    these Ray labels take it.
+    Ray on the same one. `heartbeat_s`: how often an idle worker with nothing new
+    pushes (default: every `report_interval_s`). `scheduler_name`: the named
+    scheduler actor (the shard owning `pool`) the worker pushes to.
+    `label_selector`: only nodes with these Ray labels take it.
     """
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
@@ -522,6 +541,7 @@ def create_worker(
         pool,
         engine_config,
         report_interval_s=report_interval_s,
+        heartbeat_s=heartbeat_s,
         scheduler_namespace=namespace,
         scheduler_name=scheduler_name,
         torch_threads=torch_threads,

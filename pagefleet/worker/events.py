@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
@@ -217,6 +217,10 @@ class LoadReport:
         if previous is None or self.incarnation != previous.incarnation:
             return True
         return self.seq > previous.seq
+
+    def same_load(self, other: LoadReport | None) -> bool:
+        """Whether `other` says the same as this report but for its `seq` and `timestamp`."""
+        return other is not None and replace(self, seq=other.seq, timestamp=other.timestamp) == other
 
     @property
     def hit_rate(self) -> float:
