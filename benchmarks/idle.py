@@ -24,13 +24,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pagefleet.cluster.app import start_cluster  # noqa: E402
-from pagefleet.cluster.client import build_request  # noqa: E402
-from pagefleet.cluster.config import ClusterConfig  # noqa: E402
+from pagefleet.cluster.app import start_cluster
+from pagefleet.cluster.client import build_request
+from pagefleet.cluster.config import ClusterConfig
+from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
 
 OURS = ("ray::WorkerActor", "ray::SchedulerActor", "ray::Membership", "ray::ServeReplica")
 
@@ -85,10 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(heartbeat {config.scheduler.heartbeat_s:g} s)")  # fmt: skip
     cluster = start_cluster(config, grpc_port=0, metrics_port=None)
     try:
-        import grpc
-
-        from pagefleet.cluster.proto import pagefleet_pb2_grpc as pb_grpc
-
         with grpc.insecure_channel(cluster.grpc_target) as channel:
             request = build_request("Hello", {"max_tokens": 8})
             tokens = sum(len(m.token_ids) for m in pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
