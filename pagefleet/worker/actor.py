@@ -8,10 +8,10 @@ one worker.
 
 Load reports and KV events leave the worker one way: every
 `report_interval_s` the worker pushes both (msgpack, `pagefleet.worker.events`)
-(an idle worker whose state has not changed since its last push only every
-`heartbeat_s`, which keeps it alive in the scheduler's eyes)
 to the central scheduler (the shard owning its pool, when it is sharded), which holds the cluster's one view and fans it out
-to the ingress replicas. Each KV batch carries the incarnation and a sequence
+to the ingress replicas. An idle worker whose state has not changed since its
+last push pushes only every `heartbeat_s`, which keeps it alive in the
+scheduler's view. Each KV batch carries the incarnation and a sequence
 number; the first batch of an incarnation, and any batch the scheduler asks
 for (after a gap, or to measure drift), is a snapshot of every held hash.
 The report loop starts with the actor, so a worker Ray restarted rejoins
