@@ -8,7 +8,8 @@
  * a block, one query head at a time, its query (for the scores) or its running
  * sum (for the values) held in registers across the block's rows, which stay
  * in L1 for the GQA group's other heads. The next block (blocks are scattered in
- * memory) is prefetched a few cache lines per row worked on. The scores of the
+ * memory) is prefetched into L2 a few cache lines per row worked on, and during the
+ * last block of the keys the first of the values. The scores of the
  * context go to a scratch row per query head, the softmax subtracts their
  * maximum (as SDPA does), and the weighted sum of the values is accumulated in
  * the compute type, position by position (so the loop order changes no bit).
@@ -140,12 +141,14 @@ static inline v4d exp_v4d(v4d x) {
     return x;
 }
 
-/* Ask for the next two cache lines of a run [p, end) still to prefetch, if any. */
-#define PREFETCH_STEP(p, end)         \
-    if ((p) < (end)) {                \
-        __builtin_prefetch(p);        \
-        __builtin_prefetch((p) + 64); \
-        (p) += 128;                   \
+/* Ask for the next two cache lines of a run [p, end) still to prefetch, if any, into
+ * L2 (locality 2: prefetcht1 on x86), not L1: fetched into L1 a block ahead, they evicted
+ * the lines the current block still needed (1.6x slower a step, from L3 or from memory). */
+#define PREFETCH_STEP(p, end)               \
+    if ((p) < (end)) {                      \
+        __builtin_prefetch(p, 0, 2);        \
+        __builtin_prefetch((p) + 64, 0, 2); \
+        (p) += 128;                         \
     }
 
 /* Widen `width` cache elements into `dst`. */
@@ -172,8 +175,10 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  * of the positions [lo, hi), with `t0` the block's first position (counted from lo), `m`
  * its number of positions and `rows` their slot rows (every KV head; consecutive,
  * slot_stride apart) in the compute type T (widened into blk_buf from a narrower KV_T).
- * The next block's rows are prefetched first (blocks are scattered in memory). */
-#define FOR_EACH_BLOCK(T, KV_T, WIDEN, CACHE, ...)                                            \
+ * The next block's rows are prefetched while a block is worked on (blocks are scattered
+ * in memory); while the last one is, the first block of the same positions in `THEN`
+ * (the values after the keys; NULL: none). */
+#define FOR_EACH_BLOCK(T, KV_T, WIDEN, CACHE, THEN, ...)                                      \
     for (int64_t b = lo / block_size, t0 = 0; t0 < n; b++) {                                  \
         const int64_t j0 = t0 == 0 ? lo % block_size : 0;                                     \
         const int64_t m = block_size - j0 < n - t0 ? block_size - j0 : n - t0;                \
@@ -184,6 +189,12 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         if (ahead > 0) {                                                                      \
             pf = (const char *)(CACHE + (int64_t)table[b + 1] * block_size * slot_stride);    \
             pf_end = pf + ahead * slot_stride * (int64_t)sizeof(KV_T);                        \
+        } else if ((THEN) != NULL) {                                                          \
+            const int64_t j1 = lo % block_size;                                               \
+            const int64_t first = block_size - j1 < n ? block_size - j1 : n;                  \
+            const int64_t slot = (int64_t)table[lo / block_size] * block_size + j1;           \
+            pf = (const char *)((THEN) + slot * slot_stride);                                 \
+            pf_end = pf + first * slot_stride * (int64_t)sizeof(KV_T);                        \
         }                                                                                     \
         const KV_T *raw = CACHE + ((int64_t)table[b] * block_size + j0) * slot_stride;        \
         const T *rows = (const T *)raw;                                                       \
@@ -229,7 +240,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         /* Scores, a block at a time, one query head at a time (its query in registers):      \
            each score's dot product is kept as a vector until W positions have one; their     \
            sums are then taken together. */                                                   \
-        FOR_EACH_BLOCK(T, KV_T, WIDEN, k,                                                     \
+        FOR_EACH_BLOCK(T, KV_T, WIDEN, k, v,                                                  \
             for (int64_t r = 0; r < heads; r++) {                                             \
                 const T *kh = rows + r / group * head_dim; /* its KV head's keys */           \
                 VT qv[MAX_CHUNKS];                                                            \
@@ -270,7 +281,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         /* Weighted sum of the values, a block at a time, one query head at a time (its       \
            sum in registers across the block). */                                             \
         for (int64_t x = 0; x < heads * chunks; x++) acc[x] = (VT){0};                        \
-        FOR_EACH_BLOCK(T, KV_T, WIDEN, v,                                                     \
+        FOR_EACH_BLOCK(T, KV_T, WIDEN, v, (const KV_T *)NULL,                                \
             for (int64_t r = 0; r < heads; r++) {                                             \
                 const T *vh = rows + r / group * head_dim; /* its KV head's values */         \
                 const T *w = scores + r * longest + t0;                                       \
