@@ -11,9 +11,11 @@ prefill chunk's token `i` one row over the positions up to its own (causal
 by construction, no mask). The kernel reads each sequence's K/V straight from
 the cache through its block table, with no gather and no per-sequence call,
 in float32 over a float32, float16 or bfloat16 cache and in float64 over a
-float64 cache; on this project's CPUs it is faster than SDPA on prefill
-chunks too, from 2 to 4,096 tokens, after a cached prefix or not
-(docs/benchmarks.md 14.9).
+float64 cache. It is faster than SDPA on decode and on prefill chunks up to
+about 1,000 tokens; on longer chunks and after a cached prefix it is ahead on
+some CPUs and behind on others (docs/benchmarks.md 14.9), and it takes every
+token all the same: one path per machine keeps a token's numbers independent
+of the step it ran in.
 
 Where the kernel cannot be built (no C compiler), is switched off or does not
 take the shape, each sequence attends on its own through SDPA:
