@@ -4,10 +4,14 @@
  * context ends at its own position: causal without a mask) attends over its
  * sequence's context straight from the cache's own layout, [num_blocks, block_size,
  * kv_heads, head_dim], through its block table: no gather copy, no padding, no
- * per-sequence call. Per row, positions are walked block by block; within
- * a block, one query head at a time, its query (for the scores) or its running
- * sum (for the values) held in registers across the block's rows, which stay
- * in L1 for the GQA group's other heads. The next block (blocks are scattered in
+ * per-sequence call. Rows go in tiles: up to TILE consecutive rows of one
+ * sequence from one first position (a prefill chunk's tokens; a decode token is a
+ * tile of its own). A tile's positions are walked block by block; within a
+ * block, one query head at a time and one row at a time, the row's query (for
+ * the scores) or its running sum (for the values) held in registers across the
+ * block's rows, which stay in L1 for the tile's other rows and the GQA group's
+ * other heads. Each row's arithmetic is the same, in the same order, whatever
+ * its tile. The next block (blocks are scattered in
  * memory) is prefetched into L2 a few cache lines per row worked on, and during the
  * last block of the keys the first of the values. The scores of the
  * context go to a scratch row per query head, the softmax subtracts their
@@ -21,7 +25,7 @@
  * CPU has it) and takes e^x from a polynomial (within 1 ulp of expf); float64
  * over a float64 cache (the exact path) takes libm's exp.
  *
- * Rows are shared out over `threads` OpenMP threads. Built with -fopenmp, the
+ * Tiles are shared out over `threads` OpenMP threads. Built with -fopenmp, the
  * library needs libgomp.so.1, which torch's CPU build has already loaded: the
  * kernel runs on torch's own thread pool, not a second one beside it (without
  * OpenMP the pragmas are ignored and it runs on the calling thread).
@@ -46,6 +50,7 @@ typedef int64_t v4l __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+#define TILE 8 /* query rows of one sequence per K/V block read */
 #define MAX_CHUNKS 64 /* head_dim / lanes, at most (head_dim 256 in float64): stack arrays */
 
 static inline v8f load_v8f(const float *p) {
@@ -216,6 +221,12 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
     q, q_row_stride, k, v, slot_stride, rows, tables, table_stride, seq, start, ctx, n_seqs,  \
         block_size, kv_heads, group, head_dim, scale, out, out_row_stride, threads
 
+/* DEFINE_DECODE's call of its tile body for tile i0's rows (TILE_ROWS of them), with the
+ * head_dim given (a constant, for constant trip counts, or the argument). */
+#define TILE_CALL(FN, T, HEAD_DIM, TILE_ROWS)                                                 \
+    FN(qrs, outs, ctx + i0, TILE_ROWS, k, v, slot_stride, table, start[i0], block_size,       \
+       kv_heads, group, HEAD_DIM, (T)scale, scores, longest, acc, dots, blk_buf)
+
 /* Arguments, shared by every instantiation:
  *   q            query rows; row r, head j at q + r * q_row_stride + j * head_dim
  *   k, v         caches; slot s, KV head h at k + s * slot_stride + h * head_dim
@@ -227,75 +238,93 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  * Returns 0; -1 when the scratch rows could not be allocated; -2 when head_dim
  * is no multiple of 8 or more than MAX_CHUNKS vectors.
  *
- * The per-sequence body is inlined once for head_dim 64, once for 128 and
- * once for any other, so the common row loops have constant trip counts.
+ * The tile body is inlined for head_dim 64 (one-row tiles and others), 128 and
+ * any other, so the common loops have constant trip counts.
  */
 #define DEFINE_DECODE(NAME, T, VT, W, KV_T, WIDEN, LOAD, HSUM, HSUMS, VMAX, VEXP)             \
-    static inline __attribute__((always_inline)) void NAME##_seq(                             \
-        const T *qr, const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, \
-        int64_t lo, int64_t hi, int64_t block_size, int64_t kv_heads, int64_t group,          \
-        const int64_t head_dim, T scale, T *scores, int64_t longest, VT *acc, VT *dots,       \
-        T *blk_buf, T *o) {                                                                   \
-        const int64_t n = hi - lo, heads = kv_heads * group, chunks = head_dim / W;           \
-        /* Scores, a block at a time, one query head at a time (its query in registers):      \
-           each score's dot product is kept as a vector until W positions have one; their     \
-           sums are then taken together. */                                                   \
+    static inline __attribute__((always_inline)) void NAME##_tile(                            \
+        const T *const *qrs, T *const *outs, const int64_t *his, int64_t tile,                \
+        const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, int64_t lo,  \
+        int64_t block_size, int64_t kv_heads, int64_t group, const int64_t head_dim, T scale, \
+        T *scores, int64_t longest, VT *acc, VT *dots, T *blk_buf) {                          \
+        const int64_t heads = kv_heads * group, chunks = head_dim / W;                        \
+        int64_t hi = his[0];                                                                  \
+        for (int64_t x = 1; x < tile; x++) hi = his[x] > hi ? his[x] : hi;                    \
+        const int64_t n = hi - lo;                                                            \
+        /* Scores, a block at a time, one query head at a time, each row of the tile in       \
+           turn (its query in registers; the head's keys stay in L1 across the rows):         \
+           each score's dot product is kept as a vector until W positions have one;           \
+           their sums are then taken together. */                                             \
         FOR_EACH_BLOCK(T, KV_T, WIDEN, k, v,                                                  \
             for (int64_t r = 0; r < heads; r++) {                                             \
                 const T *kh = rows + r / group * head_dim; /* its KV head's keys */           \
-                VT qv[MAX_CHUNKS];                                                            \
-                for (int64_t c = 0; c < chunks; c++) qv[c] = LOAD(qr + r * head_dim + W * c); \
-                VT *d = dots + r * W;                                                         \
-                for (int64_t j = 0; j < m; j++) {                                             \
-                    const int64_t t = t0 + j;                                                 \
-                    const T *kr = kh + j * slot_stride;                                       \
-                    PREFETCH_STEP(pf, pf_end);                                                \
-                    VT dot = qv[0] * LOAD(kr);                                                \
-                    for (int64_t c = 1; c < chunks; c++) dot += qv[c] * LOAD(kr + W * c);     \
-                    d[t % W] = dot;                                                           \
-                    if (t % W == W - 1 || t == n - 1) {                                       \
-                        for (int64_t x = t % W + 1; x < W; x++) d[x] = (VT){0}; /* past n */  \
-                        const VT s = HSUMS(d) * scale;                                        \
-                        memcpy(scores + r * longest + t - t % W, &s, sizeof s);               \
+                for (int64_t x = 0; x < tile; x++) {                                          \
+                    const int64_t nx = his[x] - lo; /* the row's positions */                 \
+                    const int64_t mx = nx - t0 < m ? nx - t0 : m;                             \
+                    VT qv[MAX_CHUNKS];                                                        \
+                    const T *qr = qrs[x] + r * head_dim;                                      \
+                    for (int64_t c = 0; c < chunks; c++) qv[c] = LOAD(qr + W * c);            \
+                    VT *d = dots + (x * heads + r) * W;                                       \
+                    T *srow = scores + (x * heads + r) * longest;                             \
+                    for (int64_t j = 0; j < mx; j++) {                                        \
+                        const int64_t t = t0 + j;                                             \
+                        const T *kr = kh + j * slot_stride;                                   \
+                        PREFETCH_STEP(pf, pf_end);                                            \
+                        VT dot = qv[0] * LOAD(kr);                                            \
+                        for (int64_t c = 1; c < chunks; c++) dot += qv[c] * LOAD(kr + W * c); \
+                        d[t % W] = dot;                                                       \
+                        if (t % W == W - 1 || t == nx - 1) {                                  \
+                            for (int64_t y = t % W + 1; y < W; y++) d[y] = (VT){0}; /* > nx */\
+                            const VT s = HSUMS(d) * scale;                                    \
+                            memcpy(srow + t - t % W, &s, sizeof s);                           \
+                        }                                                                     \
                     }                                                                         \
                 }                                                                             \
             })                                                                                \
-        /* Softmax per query head, over rows padded to W lanes with -inf (weight 0). */       \
-        const int64_t padded = (n + W - 1) / W * W;                                           \
-        for (int64_t r = 0; r < heads; r++) {                                                 \
-            T *row = scores + r * longest;                                                    \
-            for (int64_t t = n; t < padded; t++) row[t] = -INFINITY;                          \
-            VT top = LOAD(row);                                                               \
-            for (int64_t t = W; t < padded; t += W) top = VMAX(top, LOAD(row + t));           \
-            T mx = top[0];                                                                    \
-            for (int i = 1; i < W; i++) mx = top[i] > mx ? top[i] : mx;                       \
-            VT sum = {0};                                                                     \
-            for (int64_t t = 0; t < padded; t += W) {                                         \
-                const VT e = VEXP(LOAD(row + t) - mx);                                        \
-                sum += e;                                                                     \
-                memcpy(row + t, &e, sizeof e);                                                \
+        /* Softmax per row and query head, over score rows padded to W lanes with -inf        \
+           (weight 0). */                                                                     \
+        for (int64_t x = 0; x < tile; x++) {                                                  \
+            const int64_t nx = his[x] - lo, padded = (nx + W - 1) / W * W;                    \
+            for (int64_t r = 0; r < heads; r++) {                                             \
+                T *row = scores + (x * heads + r) * longest;                                  \
+                for (int64_t t = nx; t < padded; t++) row[t] = -INFINITY;                     \
+                VT top = LOAD(row);                                                           \
+                for (int64_t t = W; t < padded; t += W) top = VMAX(top, LOAD(row + t));       \
+                T mx = top[0];                                                                \
+                for (int i = 1; i < W; i++) mx = top[i] > mx ? top[i] : mx;                   \
+                VT sum = {0};                                                                 \
+                for (int64_t t = 0; t < padded; t += W) {                                     \
+                    const VT e = VEXP(LOAD(row + t) - mx);                                    \
+                    sum += e;                                                                 \
+                    memcpy(row + t, &e, sizeof e);                                            \
+                }                                                                             \
+                const T inv = (T)1 / HSUM(sum);                                               \
+                for (int64_t t = 0; t < nx; t++) row[t] *= inv;                               \
             }                                                                                 \
-            const T inv = (T)1 / HSUM(sum);                                                   \
-            for (int64_t t = 0; t < n; t++) row[t] *= inv;                                    \
         }                                                                                     \
-        /* Weighted sum of the values, a block at a time, one query head at a time (its       \
-           sum in registers across the block). */                                             \
-        for (int64_t x = 0; x < heads * chunks; x++) acc[x] = (VT){0};                        \
-        FOR_EACH_BLOCK(T, KV_T, WIDEN, v, (const KV_T *)NULL,                                \
+        /* Weighted sum of the values, a block at a time, one query head at a time, each      \
+           row of the tile in turn (its sum in registers across the block). */                \
+        for (int64_t y = 0; y < tile * heads * chunks; y++) acc[y] = (VT){0};                 \
+        FOR_EACH_BLOCK(T, KV_T, WIDEN, v, (const KV_T *)NULL,                                 \
             for (int64_t r = 0; r < heads; r++) {                                             \
                 const T *vh = rows + r / group * head_dim; /* its KV head's values */         \
-                const T *w = scores + r * longest + t0;                                       \
-                VT *ar = acc + r * chunks;                                                    \
-                VT a[MAX_CHUNKS];                                                             \
-                for (int64_t c = 0; c < chunks; c++) a[c] = ar[c];                            \
-                for (int64_t j = 0; j < m; j++) {                                             \
-                    const T *vr = vh + j * slot_stride;                                       \
-                    PREFETCH_STEP(pf, pf_end);                                                \
-                    for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * LOAD(vr + W * c);     \
+                for (int64_t x = 0; x < tile; x++) {                                          \
+                    const int64_t nx = his[x] - lo;                                           \
+                    const int64_t mx = nx - t0 < m ? nx - t0 : m;                             \
+                    const T *w = scores + (x * heads + r) * longest + t0;                     \
+                    VT *ar = acc + (x * heads + r) * chunks;                                  \
+                    VT a[MAX_CHUNKS];                                                         \
+                    for (int64_t c = 0; c < chunks; c++) a[c] = ar[c];                        \
+                    for (int64_t j = 0; j < mx; j++) {                                        \
+                        const T *vr = vh + j * slot_stride;                                   \
+                        PREFETCH_STEP(pf, pf_end);                                            \
+                        for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * LOAD(vr + W * c); \
+                    }                                                                         \
+                    for (int64_t c = 0; c < chunks; c++) ar[c] = a[c];                        \
                 }                                                                             \
-                for (int64_t c = 0; c < chunks; c++) ar[c] = a[c];                            \
             })                                                                                \
-        memcpy(o, acc, sizeof(VT) * (size_t)(heads * chunks));                                \
+        for (int64_t x = 0; x < tile; x++)                                                    \
+            memcpy(outs[x], acc + x * heads * chunks, sizeof(VT) * (size_t)(heads * chunks)); \
     }                                                                                         \
                                                                                               \
     static int NAME(DECODE_PARAMS(T, KV_T)) {                                                 \
@@ -305,15 +334,25 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
             if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
         longest = (longest + W - 1) / W * W;                                                  \
         const int64_t heads = kv_heads * group;                                               \
+        /* Tiles: runs of up to TILE consecutive rows of one sequence from one first          \
+           position (a prefill chunk's tokens), which share every K/V block read. */          \
+        int64_t *tiles = malloc(sizeof(int64_t) * (size_t)(n_seqs + 1));                      \
+        if (tiles == NULL) return -1;                                                         \
+        int64_t n_tiles = 0;                                                                  \
+        for (int64_t i = 0; i < n_seqs; i++)                                                  \
+            if (i == 0 || i - tiles[n_tiles - 1] == TILE || seq[i] != seq[i - 1] ||           \
+                start[i] != start[i - 1])                                                     \
+                tiles[n_tiles++] = i;                                                         \
+        tiles[n_tiles] = n_seqs;                                                              \
         int failed = 0;                                                                       \
-        /* Rows are shared out one at a time (their contexts differ in length), each          \
+        /* Tiles are shared out one at a time (their contexts differ in length), each         \
            thread with scratch rows of its own. */                                            \
-        _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_seqs > 1)")           \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_tiles > 1)")          \
         {                                                                                     \
-            T *scores = malloc(sizeof(T) * (size_t)(heads * longest));                        \
+            T *scores = malloc(sizeof(T) * (size_t)(TILE * heads * longest));                 \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
-            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(heads * head_dim / W));         \
-            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(heads * W));                   \
+            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(TILE * heads * head_dim / W));  \
+            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(TILE * heads * W));            \
             T *blk_buf = malloc(sizeof(T) * (size_t)(block_size * kv_heads * head_dim));      \
             const int ok = scores != NULL && acc != NULL && dots != NULL && blk_buf != NULL;  \
             if (!ok) {                                                                        \
@@ -321,29 +360,31 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                 failed = 1;                                                                   \
             }                                                                                 \
             _Pragma("omp for schedule(dynamic, 1)")                                           \
-            for (int64_t i = 0; i < n_seqs; i++) {                                            \
+            for (int64_t b = 0; b < n_tiles; b++) {                                           \
                 if (!ok) continue;                                                            \
-                const int32_t *table = tables + seq[i] * table_stride;                        \
-                const T *qr = q + rows[i] * q_row_stride;                                     \
-                T *o = out + rows[i] * out_row_stride;                                        \
-                if (head_dim == 64)                                                           \
-                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
-                               kv_heads, group, 64, (T)scale, scores, longest, acc, dots,     \
-                               blk_buf, o);                                                   \
+                const int64_t i0 = tiles[b], tile = tiles[b + 1] - i0;                        \
+                const T *qrs[TILE];                                                           \
+                T *outs[TILE];                                                                \
+                for (int64_t x = 0; x < tile; x++) {                                          \
+                    qrs[x] = q + rows[i0 + x] * q_row_stride;                                 \
+                    outs[x] = out + rows[i0 + x] * out_row_stride;                            \
+                }                                                                             \
+                const int32_t *table = tables + seq[i0] * table_stride;                       \
+                if (head_dim == 64 && tile == 1) /* a decode token */                         \
+                    TILE_CALL(NAME##_tile, T, 64, 1);                                         \
+                else if (head_dim == 64)                                                      \
+                    TILE_CALL(NAME##_tile, T, 64, tile);                                      \
                 else if (head_dim == 128)                                                     \
-                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
-                               kv_heads, group, 128, (T)scale, scores, longest, acc, dots,    \
-                               blk_buf, o);                                                   \
+                    TILE_CALL(NAME##_tile, T, 128, tile);                                     \
                 else                                                                          \
-                    NAME##_seq(qr, k, v, slot_stride, table, start[i], ctx[i], block_size,    \
-                               kv_heads, group, head_dim, (T)scale, scores, longest, acc,     \
-                               dots, blk_buf, o);                                             \
+                    TILE_CALL(NAME##_tile, T, head_dim, tile);                                \
             }                                                                                 \
             free(scores);                                                                     \
             free(acc);                                                                        \
             free(dots);                                                                       \
             free(blk_buf);                                                                    \
         }                                                                                     \
+        free(tiles);                                                                          \
         return failed ? -1 : 0;                                                               \
     }
 
