@@ -50,7 +50,8 @@ typedef int64_t v4l __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-#define TILE 8 /* query rows of one sequence per K/V block read */
+#define TILE 8 /* query rows of one sequence per K/V block read, at most */
+#define SCORE_BYTES (768 * 1024) /* a tile's score rows, at most (one row always) */
 #define MAX_CHUNKS 64 /* head_dim / lanes, at most (head_dim 256 in float64): stack arrays */
 
 static inline v8f load_v8f(const float *p) {
@@ -334,13 +335,17 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
             if (ctx[i] - start[i] > longest) longest = ctx[i] - start[i];                     \
         longest = (longest + W - 1) / W * W;                                                  \
         const int64_t heads = kv_heads * group;                                               \
-        /* Tiles: runs of up to TILE consecutive rows of one sequence from one first          \
-           position (a prefill chunk's tokens), which share every K/V block read. */          \
+        /* Tiles: runs of consecutive rows of one sequence from one first position (a         \
+           prefill chunk's tokens), which share every K/V block read: up to TILE rows,        \
+           fewer where their score rows would outgrow SCORE_BYTES (many score streams         \
+           from beyond L2 cost more than the K/V reads they save). */                         \
+        int64_t most = SCORE_BYTES / (int64_t)(sizeof(T) * (size_t)(heads * longest));        \
+        most = most < 1 ? 1 : most > TILE ? TILE : most;                                      \
         int64_t *tiles = malloc(sizeof(int64_t) * (size_t)(n_seqs + 1));                      \
         if (tiles == NULL) return -1;                                                         \
         int64_t n_tiles = 0;                                                                  \
         for (int64_t i = 0; i < n_seqs; i++)                                                  \
-            if (i == 0 || i - tiles[n_tiles - 1] == TILE || seq[i] != seq[i - 1] ||           \
+            if (i == 0 || i - tiles[n_tiles - 1] == most || seq[i] != seq[i - 1] ||           \
                 start[i] != start[i - 1])                                                     \
                 tiles[n_tiles++] = i;                                                         \
         tiles[n_tiles] = n_seqs;                                                              \
@@ -349,10 +354,10 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
            thread with scratch rows of its own. */                                            \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_tiles > 1)")          \
         {                                                                                     \
-            T *scores = malloc(sizeof(T) * (size_t)(TILE * heads * longest));                 \
+            T *scores = malloc(sizeof(T) * (size_t)(most * heads * longest));                 \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
-            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(TILE * heads * head_dim / W));  \
-            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(TILE * heads * W));            \
+            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(most * heads * head_dim / W));  \
+            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(most * heads * W));            \
             T *blk_buf = malloc(sizeof(T) * (size_t)(block_size * kv_heads * head_dim));      \
             const int ok = scores != NULL && acc != NULL && dots != NULL && blk_buf != NULL;  \
             if (!ok) {                                                                        \
