@@ -2,21 +2,21 @@
  *
  * Every query row (a decode token, or one token of a prefill chunk, whose
  * context ends at its own position: causal without a mask) attends over its
- * sequence's context straight from the cache's own layout, [num_blocks, block_size,
- * kv_heads, head_dim], through its block table: no gather copy, no padding, no
- * per-sequence call. Rows go in tiles: up to TILE consecutive rows of one
- * sequence from one first position (a prefill chunk's tokens; a decode token is a
- * tile of its own). A tile's positions are walked block by block; within a
- * block, one query head at a time and one row at a time, the row's query (for
- * the scores) or its running sum (for the values) held in registers across the
- * block's rows, which stay in L1 for the tile's other rows and the GQA group's
- * other heads. Each row's arithmetic is the same, in the same order, whatever
- * its tile. The next block (blocks are scattered in
- * memory) is prefetched into L2 a few cache lines per row worked on, and during the
- * last block of the keys the first of the values. The scores of the
- * context go to a scratch row per query head, the softmax subtracts their
- * maximum (as SDPA does), and the weighted sum of the values is accumulated in
- * the compute type, position by position (so the loop order changes no bit).
+ * sequence's context straight from the cache's own layout, [num_blocks,
+ * block_size, kv_heads, head_dim], through its block table: no gather copy, no
+ * padding, no per-sequence call. Rows go in tiles: up to TILE consecutive rows
+ * of one sequence from one first position (a prefill chunk's tokens; a decode
+ * token is a tile of its own). A tile's positions are walked block by block;
+ * within a block, one query head at a time and one row at a time, the row's
+ * query (for the scores) or its running sum (for the values) held in registers
+ * across the block's rows, which stay in L1 for the tile's other rows and the
+ * GQA group's other heads. Each row's arithmetic is the same, in the same
+ * order, whatever its tile. The next block (blocks are scattered in memory) is
+ * prefetched into L2 a few cache lines per row worked on, and during the last
+ * block of the keys the first of the values. The scores of the context go to a
+ * scratch row per query head, the softmax subtracts their maximum (as SDPA
+ * does), and the weighted sum of the values is accumulated in the compute type,
+ * position by position (so the loop order changes no bit).
  *
  * Vectors are GCC/Clang vector extensions (16 or 8 floats, 4 doubles), so the
  * same source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of
@@ -291,11 +291,11 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                 for (int64_t t = nx; t < padded; t++) row[t] = -INFINITY;                     \
                 VT top = LOAD(row);                                                           \
                 for (int64_t t = W; t < padded; t += W) top = VMAX(top, LOAD(row + t));       \
-                T mx = top[0];                                                                \
-                for (int i = 1; i < W; i++) mx = top[i] > mx ? top[i] : mx;                   \
+                T peak = top[0];                                                              \
+                for (int i = 1; i < W; i++) peak = top[i] > peak ? top[i] : peak;             \
                 VT sum = {0};                                                                 \
                 for (int64_t t = 0; t < padded; t += W) {                                     \
-                    const VT e = VEXP(LOAD(row + t) - mx);                                    \
+                    const VT e = VEXP(LOAD(row + t) - peak);                                  \
                     sum += e;                                                                 \
                     memcpy(row + t, &e, sizeof e);                                            \
                 }                                                                             \
