@@ -343,21 +343,23 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         most = most < 1 ? 1 : most > TILE ? TILE : most;                                      \
         int64_t *tiles = malloc(sizeof(int64_t) * (size_t)(n_seqs + 1));                      \
         if (tiles == NULL) return -1;                                                         \
-        int64_t n_tiles = 0;                                                                  \
-        for (int64_t i = 0; i < n_seqs; i++)                                                  \
+        int64_t n_tiles = 0, widest = 1; /* the longest tile: the scratch rows' count */      \
+        for (int64_t i = 0; i < n_seqs; i++) {                                                \
             if (i == 0 || i - tiles[n_tiles - 1] == most || seq[i] != seq[i - 1] ||           \
                 start[i] != start[i - 1])                                                     \
                 tiles[n_tiles++] = i;                                                         \
+            if (i - tiles[n_tiles - 1] + 1 > widest) widest = i - tiles[n_tiles - 1] + 1;     \
+        }                                                                                     \
         tiles[n_tiles] = n_seqs;                                                              \
         int failed = 0;                                                                       \
         /* Tiles are shared out one at a time (their contexts differ in length), each         \
            thread with scratch rows of its own. */                                            \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && n_tiles > 1)")          \
         {                                                                                     \
-            T *scores = malloc(sizeof(T) * (size_t)(most * heads * longest));                 \
+            T *scores = malloc(sizeof(T) * (size_t)(widest * heads * longest));               \
             /* Vectors are 32-byte aligned: malloc promises 16 only. */                       \
-            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(most * heads * head_dim / W));  \
-            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(most * heads * W));            \
+            VT *acc = aligned_alloc(64, sizeof(VT) * (size_t)(widest * heads * head_dim / W));\
+            VT *dots = aligned_alloc(64, sizeof(VT) * (size_t)(widest * heads * W));          \
             T *blk_buf = malloc(sizeof(T) * (size_t)(block_size * kv_heads * head_dim));      \
             const int ok = scores != NULL && acc != NULL && dots != NULL && blk_buf != NULL;  \
             if (!ok) {                                                                        \
