@@ -294,3 +294,33 @@ def test_the_decode_kernel_gives_the_same_bits_on_one_thread_or_several(dtype: t
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(b, 32**-0.5),
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_chunk_gives_each_row_the_bits_of_that_row_alone(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel takes a chunk's rows in tiles (8 rows per K/V block read), each row's
+    # arithmetic its own: a recompute that runs decoded tokens as a prefill chunk gets
+    # the numbers they had, on any number of threads. (SDPA, the path without the
+    # kernel, gives a chunk's rows other bits.)
+    monkeypatch.setenv(cpu_decode.SWITCH_ENV, "on")
+    b = batch([21], [31], dtype, seed=13)
+    scale = 32**-0.5
+    before = torch.get_num_threads()
+    chunks = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            chunks.append(paged_attention_cpu(*b.kernel_args(), scale))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(chunks[0], chunks[1])
+    cached = b.ctx_lens[0] - b.q_lens[0]
+    for i in range(b.q_lens[0]):
+        alone = paged_attention_cpu(
+            b.query[i : i + 1], b.k_cache, b.v_cache, b.block_tables,
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([cached + i + 1], dtype=torch.int32), scale,
+        )  # fmt: skip
+        assert torch.equal(alone[0], chunks[0][i]), f"row {i} of the chunk"
