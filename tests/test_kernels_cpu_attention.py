@@ -279,18 +279,24 @@ def test_a_cache_root_that_cannot_be_written_gives_way_to_the_temporary_director
     assert len(list((fresh_build / "tmp" / "pagefleet-kernels").glob("cpu_decode-*.so"))) == 1
 
 
+def outputs_on_threads(b: PagedBatch, thread_counts: tuple[int, ...]) -> list[torch.Tensor]:
+    """The kernel's output for `b` with torch set to each thread count in turn."""
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            outs.append(paged_attention_cpu(*b.kernel_args(), b.query.shape[-1] ** -0.5))
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_decode_kernel_gives_the_same_bits_on_one_thread_or_several(dtype: torch.dtype) -> None:
     # Sequences are shared out over torch's threads; each is computed whole by one.
     b = batch([1] * 9, [3, 40, 7, 65, 9, 17, 1, 33, 24], dtype, seed=21)
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(paged_attention_cpu(*b.kernel_args(), 32**-0.5))
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_on_threads(b, (1, 2, 3))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(b, 32**-0.5),
                                rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
@@ -306,21 +312,13 @@ def test_a_prefill_chunk_gives_each_row_the_bits_of_that_row_alone(
     # kernel, gives a chunk's rows other bits.)
     monkeypatch.setenv(cpu_decode.SWITCH_ENV, "on")
     b = batch([21], [31], dtype, seed=13)
-    scale = 32**-0.5
-    before = torch.get_num_threads()
-    chunks = []
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            chunks.append(paged_attention_cpu(*b.kernel_args(), scale))
-    finally:
-        torch.set_num_threads(before)
+    chunks = outputs_on_threads(b, (1, 3))
     assert torch.equal(chunks[0], chunks[1])
     cached = b.ctx_lens[0] - b.q_lens[0]
     for i in range(b.q_lens[0]):
         alone = paged_attention_cpu(
             b.query[i : i + 1], b.k_cache, b.v_cache, b.block_tables,
             torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([cached + i + 1], dtype=torch.int32), scale,
+            torch.tensor([cached + i + 1], dtype=torch.int32), 32**-0.5,
         )  # fmt: skip
         assert torch.equal(alone[0], chunks[0][i]), f"row {i} of the chunk"
