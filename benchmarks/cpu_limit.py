@@ -36,8 +36,8 @@ run did (its wall time mostly measures the other processes). The batched
 methods run `--rounds` alternating rounds and keep their best time; the
 spread (max/min) of each is printed. One more pagefleet run with timers
 gives the breakdown of its CPU time: linear layers (forward hooks), attention
-(write + paged attention), the rest of the forward (embedding, norms, RoPE,
-SiLU), step tensor building, sampling, and the Python of scheduling and
+(the paged attention), the rest of the forward (embedding, norms, RoPE and the
+K/V write, SiLU), step tensor building, sampling, and the Python of scheduling and
 bookkeeping (the rest of `step()`); `--skip breakdown` leaves it out.
 Greedy outputs that differ from HF one-at-a-time are printed with HF's top-2
 logit gap at the first difference (a near-tie or a bug).
@@ -445,15 +445,16 @@ def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
     import pagefleet.worker.llama as llama_module
 
     engine, runner = llm.engine, llm.engine.runner
-    saved_sample, saved_attend = engine_module.sample, llama_module.attend
+    saved_sample, saved_attend = engine_module.sample, llama_module.attend_written
     engine.step = timers.wrap("step", engine.step)
     runner.execute = timers.wrap("execute", runner.execute)
     inputs = runner._step_inputs(runner.kv_cache)  # built once, reused by every step
     inputs.load = timers.wrap("tensors", inputs.load)
     engine_module.sample = timers.wrap("sampling", saved_sample)
-    # Both the plain and the fused attention modules call `attend` by its module-level name.
+    # Both the plain and the fused attention modules call `attend_written` by its module-level
+    # name (the plain one through `llama.attend`, after torch's K/V write).
     for module in (llama_module, cpu_linear_module):
-        module.attend = timers.wrap("attention", saved_attend)  # type: ignore[assignment]
+        module.attend_written = timers.wrap("attention", saved_attend)  # type: ignore[assignment]
     handles = timers.hook_linears(runner.model)
     try:
         yield
@@ -461,7 +462,7 @@ def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
         for h in handles:
             h.remove()
         for module in (llama_module, cpu_linear_module):
-            module.attend = saved_attend  # type: ignore[assignment]
+            module.attend_written = saved_attend  # type: ignore[assignment]
         engine_module.sample = saved_sample
         for obj, name in ((engine, "step"), (runner, "execute"), (inputs, "load")):
             delattr(obj, name)
@@ -471,8 +472,8 @@ def breakdown_rows(t: dict[str, float], total: float) -> list[list[str]]:
     # Inside attention only write_kv and paged attention run (q/k/v/o are outside it).
     parts = {
         "linear layers (matmuls)": t["linear"],
-        "attention (KV write + paged attention)": t["attention"],
-        "rest of the forward (embedding, norms, RoPE, SiLU)":
+        "attention (paged attention)": t["attention"],
+        "rest of the forward (embedding, norms, RoPE, KV write, SiLU)":
             t["execute"] - t["linear"] - t["attention"] - t["tensors"],
         "step tensor building (StepInputs.load)": t["tensors"],
         "sampling": t["sampling"],

@@ -7,7 +7,8 @@ modules. The fast path's logits are compared with the same model on the plain
 modules and `F.linear`, in the same process, over the same paged steps. They
 agree to float32 round-off, not bit for bit (MKL's packed GEMM sums like
 `F.linear` from 16 rows up, oneDNN's in its own order). Greedy tokens must be
-identical.
+identical. Its RMSNorm and RoPE in C (`pagefleet.kernels.cpu_layers`) must give
+the logits of torch's operations bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagefleet.worker.cpu_linear import (
     MKL,
     ONEDNN,
     SWITCH_ENV,
+    CPURMSNorm,
     FusedGateUpMLP,
     FusedQKVAttention,
     PackedLinear,
@@ -32,7 +34,7 @@ from pagefleet.worker.cpu_linear import (
     gemm_backend,
 )
 from pagefleet.worker.kv_cache import KVCache
-from pagefleet.worker.llama import Attention
+from pagefleet.worker.llama import Attention, RMSNorm
 from pagefleet.worker.lora import LoRALinear
 from pagefleet.worker.model_runner import ModelRunner, StepBatch
 
@@ -159,6 +161,31 @@ def test_fast_path_logits_equal_the_plain_modules_to_float32_round_off(
     for got, want in zip(fast, plain, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
         assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_c_rms_norm_and_rope_give_the_logits_of_torchs_operations_bit_for_bit(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = {"sliding_window": 8} if arch == "mistral" else {}
+    runner = _runner(_model(arch, tmp_path, **overrides), monkeypatch, BACKENDS[0])
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    assert norms and all(type(m) is CPURMSNorm for m in norms)
+    assert all(isinstance(a, FusedQKVAttention) and a.kernels is not None for a in attns)
+    prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENS]
+    in_c = _prefill_then_decode(runner, prompts)
+    for module in list(runner.model.modules()):  # the same weights and GEMMs on torch's operations
+        for name, child in list(module.named_children()):
+            if isinstance(child, CPURMSNorm):
+                plain = RMSNorm(child.weight.shape[0], child.variance_epsilon)
+                plain.weight = child.weight
+                setattr(module, name, plain)
+    for attn in attns:
+        attn.kernels = None
+    in_torch = _prefill_then_decode(runner, prompts)
+    for got, want in zip(in_c, in_torch, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_fast_path_greedy_tokens_equal_the_plain_modules_through_the_engine(

@@ -219,9 +219,9 @@ def test_the_kernel_takes_prefill_chunks_too_with_no_sdpa_call(
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty kernel cache, and the library built again on first use (then restored)."""
     monkeypatch.setenv("PAGEFLEET_CACHE_DIR", str(tmp_path))
-    cpu_decode._library.cache_clear()
+    cpu_decode.library.cache_clear()
     yield tmp_path
-    cpu_decode._library.cache_clear()
+    cpu_decode.library.cache_clear()
 
 
 def test_a_compiler_that_fails_leaves_decode_on_the_sdpa_path(
@@ -244,7 +244,7 @@ def test_the_kernel_is_built_once_into_the_cache_and_reused(fresh_build: Path) -
     built = list(fresh_build.glob("kernels/cpu_decode-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    cpu_decode._library.cache_clear()  # a new process on the same node
+    cpu_decode.library.cache_clear()  # a new process on the same node
     assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
     assert [p.stat().st_mtime_ns for p in fresh_build.glob("kernels/*.so")] == [stamp]
 

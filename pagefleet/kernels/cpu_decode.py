@@ -1,5 +1,7 @@
 """The C attention kernel (`cpu_decode.c`): built on first use, called through ctypes.
 
+The library holds the elementwise layers of `cpu_layers.c` too (`pagefleet.kernels.cpu_layers`).
+
 `cpu_attention` hands it every token of a step in one call per layer (a
 prefill token is one query row over the positions up to its own);
 it shares the sequences out over `torch.get_num_threads()` OpenMP threads,
@@ -35,6 +37,7 @@ from pagefleet.cache_root import default_cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_layers.c"))
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11", "-fopenmp")
 # Where the compiler has no OpenMP (Apple's clang): one thread; where it refuses
@@ -92,8 +95,8 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
-                 _cpu_signature().encode()):  # fmt: skip
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(),
+                 version.encode(), _cpu_signature().encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
     name = f"cpu_decode-{digest.hexdigest()[:16]}.so"
@@ -111,7 +114,7 @@ def _build(compiler: str) -> Path:
             errors = []
             for flags in (FLAGS, *FALLBACK_FLAGS):
                 done = subprocess.run(
-                    [compiler, *flags, "-o", scratch, str(SOURCE), "-lm"],
+                    [compiler, *flags, "-o", scratch, *map(str, SOURCES), "-lm"],
                     capture_output=True, text=True, timeout=120, check=False,
                 )  # fmt: skip
                 if done.returncode == 0:
@@ -126,8 +129,29 @@ def _build(compiler: str) -> Path:
                   f"{tempfile.gettempdir()})")
 
 
+# The elementwise layers' C functions (`cpu_layers.c`) and their arguments.
+LAYER_ARGTYPES = {
+    "pf_rms_norm_f32": [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # x, x_stride, weight
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_double,  # rows, width, eps
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # out, out_stride, threads
+    ],
+    **{
+        name: [
+            ctypes.c_void_p, ctypes.c_int64,  # qkv, qkv_stride
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # cos, sin, trig_stride
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # rows, q/kv heads, head_dim
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # q_out, k_cache, v_cache
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # slots, num_slots, threads
+        ]
+        for name in ("pf_rope_write_f32", "pf_rope_write_f32_f16")
+    },
+}  # fmt: skip
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
+    """The built library (attention and elementwise layers), or None where it cannot be built."""
     compiler = _compiler()
     if compiler is None:
         logger.warning(
@@ -148,6 +172,10 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = _ARGTYPES
         fn.restype = ctypes.c_int
+    for name, argtypes in LAYER_ARGTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -162,7 +190,7 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
     name = _FUNCTIONS.get((query_dtype, cache_dtype))
     if name is None or not enabled():
         return None
-    lib = _library()
+    lib = library()
     if lib is None:
         return None
     fn = getattr(lib, name)

@@ -11,10 +11,13 @@ in place, once, at load, for a float32 model on the CPU:
   weight packed once here, instead of inside every call, for the GEMM of
   this CPU (`PackedLinear`, `gemm_backend`): MKL's on Intel CPUs, oneDNN's
   elsewhere (MKL runs its slow generic kernels on AMD's: 2.2-4x slower than
-  oneDNN's on the same shapes, benchmarks/cpu_gemm.py).
+  oneDNN's on the same shapes, benchmarks/cpu_gemm.py);
+- RMSNorm, and the fused attention's RoPE with its K/V write, run in C, one
+  pass each (`pagefleet.kernels.cpu_layers`: `CPURMSNorm`,
+  `FusedQKVAttention`), where the C library builds.
 
-Elementwise, everything is computed by the same operations in the same order;
-only the GEMM kernel differs (see `PackedLinear`).
+Elementwise, everything gives torch's bits (the C layers compute torch's
+operations in torch's order); only the GEMM kernel differs (see `PackedLinear`).
 Projections a LoRA adapter wraps (`LoRALinear`) are not fused: their layer
 keeps its module and the wrapped base layer is packed in place, so the LoRA
 delta still adds onto the base projection's output.
@@ -34,7 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagefleet.worker.llama import Attention, GatedMLP, PagedAttentionMetadata, attend, rotate
+from pagefleet.kernels.cpu_layers import LayerKernels, fits_rows, layer_kernels
+from pagefleet.worker.llama import (
+    Attention,
+    GatedMLP,
+    PagedAttentionMetadata,
+    RMSNorm,
+    attend,
+    attend_written,
+    rotate,
+)
 
 # MKL chooses its blocking for this many rows when it packs a weight. Packs for 256 to
 # 2,048 rows run every batch from 8 to 2,048 rows at the same speed; packs for 16 or 64
@@ -162,11 +174,33 @@ def fuse_linears(layers: Sequence[Any]) -> nn.Linear:
     return fused
 
 
-class FusedQKVAttention(nn.Module):
-    """An `Attention` whose q/k/v come out of one projection; called as the module it replaces."""
+class CPURMSNorm(RMSNorm):
+    """An `RMSNorm` whose float32 rows `[tokens, width]` are normalized in one pass by the
+    C layers (torch's bits); any other input takes `RMSNorm`'s operations."""
 
-    def __init__(self, attn: Attention, qkv_proj: nn.Module) -> None:
+    def __init__(self, norm: RMSNorm, kernels: LayerKernels) -> None:
+        super().__init__(norm.weight.shape[0], norm.variance_epsilon)
+        self.weight = norm.weight
+        self.kernels = kernels
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() == 2 and fits_rows(hidden) and fits_rows(self.weight[None]):
+            return self.kernels.rms_norm(hidden, self.weight, self.variance_epsilon)
+        return super().forward(hidden)
+
+
+class FusedQKVAttention(nn.Module):
+    """An `Attention` whose q/k/v come out of one projection; called as the module it replaces.
+
+    With `kernels`, RoPE of q and k and the K/V write into the pool are one C pass over the
+    projection's rows (the bits of `llama.rotate` and `write_kv`), which leaves q contiguous
+    for the attention."""
+
+    def __init__(
+        self, attn: Attention, qkv_proj: nn.Module, kernels: LayerKernels | None = None
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
@@ -189,9 +223,21 @@ class FusedQKVAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)
-        q, k, v = qkv.split(self.split_heads, dim=-2)  # [tokens, heads, dim]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = attend(q, k, v, metadata, self.layer_idx, self.scaling)
+        caches = metadata.kv_cache.layer(self.layer_idx)
+        if (
+            self.kernels is not None
+            and self.kernels.writes(*caches)
+            and fits_rows(qkv)
+            and fits_rows(cos)
+            and sin.stride() == cos.stride()
+        ):
+            q = self.kernels.rope_write(qkv, cos, sin, self.split_heads[0], *caches,
+                                        metadata.slot_mapping)  # fmt: skip
+            out = attend_written(q, metadata, self.layer_idx, self.scaling)
+        else:
+            q, k, v = qkv.split(self.split_heads, dim=-2)  # [tokens, heads, dim]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            out = attend(q, k, v, metadata, self.layer_idx, self.scaling)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, -1))
         return result
 
@@ -224,8 +270,10 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
 
     A layer whose attention or MLP projections a LoRA adapter wraps
     (`LoRALinear`) keeps that module; every plain `nn.Linear` left, a
-    `LoRALinear`'s base included, is packed.
+    `LoRALinear`'s base included, is packed. Every RMSNorm, and the RoPE and
+    K/V write of the fused attentions, run in C where the library builds.
     """
+    kernels = layer_kernels()
 
     def _pack(module: Any) -> nn.Module:
         return PackedLinear(module, backend) if _plain(module) else module  # type: ignore[no-any-return]
@@ -237,7 +285,7 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
         ):
             qkv = _pack(fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]))
             attn.o_proj = _pack(attn.o_proj)
-            layer.self_attn = FusedQKVAttention(attn, qkv)
+            layer.self_attn = FusedQKVAttention(attn, qkv, kernels)
         if isinstance(mlp, GatedMLP) and _plain(mlp.gate_proj) and _plain(mlp.up_proj):
             gate_up = _pack(fuse_linears([mlp.gate_proj, mlp.up_proj]))
             mlp.down_proj = _pack(mlp.down_proj)
@@ -246,3 +294,5 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
         for name, child in list(module.named_children()):
             if _plain(child):
                 setattr(module, name, PackedLinear(child, backend))
+            elif kernels is not None and type(child) is RMSNorm:
+                setattr(module, name, CPURMSNorm(child, kernels))

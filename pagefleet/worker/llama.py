@@ -78,6 +78,15 @@ def attend(
     attend through the block tables; `[tokens, heads, dim]` out."""
     k_cache, v_cache = metadata.kv_cache.layer(layer_idx)
     write_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, metadata.slot_mapping)
+    return attend_written(q, metadata, layer_idx, scaling)
+
+
+def attend_written(
+    q: torch.Tensor, metadata: PagedAttentionMetadata, layer_idx: int, scaling: float
+) -> torch.Tensor:
+    """Attend through the block tables of a layer whose K/V of this step are in the pool;
+    `[tokens, heads, dim]` out."""
+    k_cache, v_cache = metadata.kv_cache.layer(layer_idx)
     out: torch.Tensor = paged_attention(
         q.contiguous(),
         k_cache,
