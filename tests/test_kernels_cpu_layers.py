@@ -62,6 +62,26 @@ def test_rms_norm_gives_torchs_bits(kernels: LayerKernels, threads: int, width: 
     assert torch.equal(got, norm(x))
 
 
+# 1,536: SmolLM2's; 56 and 100 end in torch's scalar tail (libm's expf past the last 32).
+@pytest.mark.parametrize("inner", [1536, 56, 100])
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_silu_and_product_give_torchs_bits(kernels: LayerKernels, threads: int, inner: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(inner + rows)
+    gate_up = torch.randn(rows, 2 * inner, generator=gen) * torch.tensor([4.0, 40.0]).repeat_interleave(inner)
+    # exp's edges: over- and underflow, its cut-offs at -104 and 100, infinities (-inf: NaN).
+    edges = torch.tensor([0.0, -0.0, 88.5, -88.5, 103.9, -103.9, 104.5, -104.5, 100.5,
+                          float("inf"), float("-inf")])  # fmt: skip
+    gate_up[0, : min(inner, edges.numel())] = edges[:inner]
+    gate, up = gate_up.split(inner, dim=-1)
+    want = torch.nn.functional.silu(gate)
+    want.mul_(up)
+    got = kernels.silu_mul(gate_up, inner)
+    assert got.is_contiguous()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaNs' bits too
+    with pytest.raises(ValueError, match=f"not twice {inner + 1}"):
+        kernels.silu_mul(gate_up, inner + 1)
+
+
 def _step(rows: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(qkv, cos, sin, k_cache, v_cache, slots) of one step: every third row's slot -1, the

@@ -131,6 +131,10 @@ def _build(compiler: str) -> Path:
 
 # The elementwise layers' C functions (`cpu_layers.c`) and their arguments.
 LAYER_ARGTYPES = {
+    "pf_silu_mul_f32": [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # gate_up, stride, rows
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # inner, out, threads
+    ],
     "pf_rms_norm_f32": [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # x, x_stride, weight
         ctypes.c_int64, ctypes.c_int64, ctypes.c_double,  # rows, width, eps

@@ -1,18 +1,19 @@
-/* The decoder's elementwise layers for CPU serving, float32: RMSNorm, and RoPE
- * with the step's K/V write into the paged cache.
+/* The decoder's elementwise layers for CPU serving, float32: RMSNorm, the MLP's
+ * SiLU and gated product, and RoPE with the step's K/V write into the paged cache.
  *
  * In torch each is several passes over the step's rows, each pass a fresh
- * tensor (RMSNorm: square, mean, add, rsqrt, two products; RoPE: two products,
- * a negation, a concatenation and a sum, for q and k apart, then copies to make
- * them contiguous, then the cache's `index_copy_` of k and v). Here each is one
- * pass that reads a row once and writes it once.
+ * tensor (RMSNorm: square, mean, add, rsqrt, two products; the MLP: SiLU, then
+ * the product; RoPE: two products, a negation, a concatenation and a sum, for q
+ * and k apart, copies to make them contiguous, then the cache's `index_copy_`
+ * of k and v). Here each is one pass that reads a row once and writes it once.
  *
- * Numbers: RoPE and every product and quotient of RMSNorm are the operations
- * torch performs, each rounded once, in its order (no fused multiply-add: this
- * file is compiled with contraction off, below), so RoPE gives torch's bits
- * exactly (and a float16 cache row the bits of torch's rounding). RMSNorm's sum of squares is added in the order of torch's own
- * reduction (`torch_sum_squares`), so RMSNorm gives torch's bits too; a row's
- * result never depends on the rows beside it.
+ * Numbers: each layer gives torch's bits exactly. Every product, quotient and
+ * sum is the operation torch performs, rounded once, in torch's order: this
+ * file is compiled with contraction off (below), so the only fused
+ * multiply-adds are those of torch's own exp (`sleef_expf`). RMSNorm adds its
+ * squares in the order of torch's reduction (`torch_sum_squares`), and a
+ * float16 cache row is rounded as torch rounds. A row's result never depends
+ * on the rows beside it.
  *
  * Rows are shared out over `threads` OpenMP threads (torch's own pool, as in
  * cpu_decode.c). Built with cpu_decode.c into one library by
@@ -25,8 +26,10 @@
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
+#pragma clang fp exceptions(ignore)
 #elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
+/* No FP traps to keep: lets GCC vectorize SiLU's selects (the values are the same). */
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
 typedef float v8f_l __attribute__((vector_size(32)));
@@ -105,6 +108,49 @@ int pf_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, int64
         const float scale = 1.0f / sqrtf(torch_sum_squares(row, width) / width_f + eps_f);
         for (int64_t i = 0; i < width; i++)
             dst[i] = weight[i] * (row[i] * scale);
+    }
+    return 0;
+}
+
+/* e^d as torch's vectorized float32 exp computes it (SLEEF's expf, 1-ulp variant, with its
+ * fused multiply-adds): d rounded to a multiple of ln 2, a degree-6 polynomial, then the power
+ * of two in two halves; 0 below -104, infinity above 100, NaN for NaN. */
+static inline float sleef_expf(float d) {
+    const int32_t q = (int32_t)__builtin_rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    const int32_t half_q = q >> 1, bits_a = (half_q + 127) << 23, bits_b = (q - half_q + 127) << 23;
+    float pow_a, pow_b;
+    memcpy(&pow_a, &bits_a, sizeof pow_a);
+    memcpy(&pow_b, &bits_b, sizeof pow_b);
+    u = u * pow_a * pow_b;
+    u = d < -104.0f ? 0.0f : u;
+    u = 100.0f < d ? INFINITY : u;
+    return d != d ? d : u;
+}
+
+/* out[r] = silu(gate) * up, of one step's fused gate/up projection rows `gate_up` [rows,
+ * 2 * inner] (gate, then up; row stride `stride`) into `out` [rows, inner], as torch computes
+ * `F.silu(gate).mul_(up)`: gate / (1 + e^-gate) with SLEEF's exp in groups of 32 floats,
+ * libm's expf for a row's last inner % 32 (torch's vector loop and its scalar tail). */
+int pf_silu_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t inner,
+                    float *out, int64_t threads) {
+    const int64_t vec_end = inner - inner % 32;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * inner >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict gate = gate_up + r * stride, *restrict up = gate + inner;
+        float *restrict dst = out + r * inner;
+        for (int64_t i = 0; i < vec_end; i++)
+            dst[i] = gate[i] / (1.0f + sleef_expf(-gate[i])) * up[i];
+        for (int64_t i = vec_end; i < inner; i++)
+            dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
     return 0;
 }

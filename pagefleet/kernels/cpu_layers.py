@@ -1,8 +1,9 @@
-"""The decoder's elementwise layers in C for float32 on the CPU (`cpu_layers.c`): RMSNorm, and
-RoPE with the step's K/V write, each one pass over the step's rows instead of torch's several.
+"""The decoder's elementwise layers in C for float32 on the CPU (`cpu_layers.c`): RMSNorm, the
+MLP's SiLU and gated product, and RoPE with the step's K/V write, each one pass over the
+step's rows instead of torch's several.
 
-Both give torch's bits exactly (RMSNorm adds its squares in the order of torch's CPU
-reduction), and a row's result does not depend on its batch.
+Each gives torch's bits exactly (RMSNorm adds its squares in the order of torch's CPU
+reduction, SiLU takes torch's own exp), and a row's result does not depend on its batch.
 Both come from the library `cpu_decode` builds; `layer_kernels()` is None where it cannot be
 built, and the callers keep torch's operations there.
 """
@@ -35,6 +36,18 @@ class LayerKernels:
             x.data_ptr(), x.stride(0), weight.data_ptr(), rows, width, eps,
             out.data_ptr(), width, torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+        """`F.silu(gate) * up` of one fused gate/up projection's float32 rows `gate_up`
+        `[rows, 2 * inner]` (gate, then up; unit stride along a row): a new contiguous
+        `[rows, inner]`, torch's bits."""
+        rows = gate_up.shape[0]
+        if gate_up.shape[1] != 2 * inner:
+            raise ValueError(f"gate/up rows of {gate_up.shape[1]} are not twice {inner}")
+        out = torch.empty(rows, inner, dtype=torch.float32)
+        self.lib.pf_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), rows, inner,
+                                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out
 
     def writes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

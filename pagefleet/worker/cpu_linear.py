@@ -12,9 +12,10 @@ in place, once, at load, for a float32 model on the CPU:
   this CPU (`PackedLinear`, `gemm_backend`): MKL's on Intel CPUs, oneDNN's
   elsewhere (MKL runs its slow generic kernels on AMD's: 2.2-4x slower than
   oneDNN's on the same shapes, benchmarks/cpu_gemm.py);
-- RMSNorm, and the fused attention's RoPE with its K/V write, run in C, one
-  pass each (`pagefleet.kernels.cpu_layers`: `CPURMSNorm`,
-  `FusedQKVAttention`), where the C library builds.
+- RMSNorm, the fused MLP's SiLU and product, and the fused attention's RoPE
+  with its K/V write, run in C, one pass each (`pagefleet.kernels.cpu_layers`:
+  `CPURMSNorm`, `FusedGateUpMLP`, `FusedQKVAttention`), where the C library
+  builds.
 
 Elementwise, everything gives torch's bits (the C layers compute torch's
 operations in torch's order); only the GEMM kernel differs (see `PackedLinear`).
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagefleet.kernels.cpu_layers import LayerKernels, fits_rows, layer_kernels
@@ -243,10 +245,14 @@ class FusedQKVAttention(nn.Module):
 
 
 class FusedGateUpMLP(nn.Module):
-    """A `GatedMLP`, `down(act(gate(x)) * up(x))`, with gate/up computed by one projection."""
+    """A `GatedMLP`, `down(act(gate(x)) * up(x))`, with gate/up computed by one projection;
+    with `kernels` and SiLU, the activation and product are one C pass (torch's bits)."""
 
-    def __init__(self, mlp: GatedMLP, gate_up_proj: nn.Module) -> None:
+    def __init__(
+        self, mlp: GatedMLP, gate_up_proj: nn.Module, kernels: LayerKernels | None = None
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         gate_proj: Any = mlp.gate_proj
         self.intermediate_size: int = gate_proj.out_features
         self.gate_up_proj = gate_up_proj
@@ -254,9 +260,18 @@ class FusedGateUpMLP(nn.Module):
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        hidden = self.act_fn(gate)
-        hidden.mul_(up)  # act(gate) is a fresh tensor: the product needs no second one
+        gate_up = self.gate_up_proj(x)
+        if (
+            self.kernels is not None
+            and self.act_fn is F.silu
+            and gate_up.dim() == 2
+            and fits_rows(gate_up)
+        ):
+            hidden = self.kernels.silu_mul(gate_up, self.intermediate_size)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = self.act_fn(gate)
+            hidden.mul_(up)  # act(gate) is a fresh tensor: the product needs no second one
         out: torch.Tensor = self.down_proj(hidden)
         return out
 
@@ -270,8 +285,8 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
 
     A layer whose attention or MLP projections a LoRA adapter wraps
     (`LoRALinear`) keeps that module; every plain `nn.Linear` left, a
-    `LoRALinear`'s base included, is packed. Every RMSNorm, and the RoPE and
-    K/V write of the fused attentions, run in C where the library builds.
+    `LoRALinear`'s base included, is packed. Every RMSNorm, the fused MLPs' SiLU and
+    product, and the fused attentions' RoPE and K/V write run in C where the library builds.
     """
     kernels = layer_kernels()
 
@@ -289,7 +304,7 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
         if isinstance(mlp, GatedMLP) and _plain(mlp.gate_proj) and _plain(mlp.up_proj):
             gate_up = _pack(fuse_linears([mlp.gate_proj, mlp.up_proj]))
             mlp.down_proj = _pack(mlp.down_proj)
-            layer.mlp = FusedGateUpMLP(mlp, gate_up)
+            layer.mlp = FusedGateUpMLP(mlp, gate_up, kernels)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if _plain(child):
