@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -706,6 +707,10 @@ def main() -> None:
               f"{chunk}), decode {fd.cpu:.2f} CPU s ({n_out - 1} steps x {len(prompts)} rows)")
     print(f"the floor: {names[floor_key]}")
     print(f"pagefleet: {best_pf / floor:.2f}x the dense-layer floor (CPU time)")
+    # Each round's pagefleet run over the same round's floor: a noisy machine moves both.
+    paired = [t.cpu / f.cpu for t, f in zip(times["pagefleet"], times[floor_key], strict=True)]
+    print(f"pagefleet over the floor, round by round: {', '.join(f'{r:.2f}x' for r in paired)}"
+          f" (median {statistics.median(paired):.2f}x)")
     peers = ("pagefleet_reference", "pagefleet_sdpa_decode", "padded", "generate_batch", "sequential", *LLAMA_VARIANTS)
     for key in peers:
         if times[key]:
