@@ -146,6 +146,9 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         if self.backend == ONEDNN:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -162,7 +165,7 @@ class PackedLinear(nn.Module):
                 x, residual, self.packed_weight, self.bias, "add"
             )
             return out
-        return residual + self(x)
+        return residual + self._gemm(x)
 
     def extra_repr(self) -> str:
         return (
