@@ -21,7 +21,7 @@ def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
     out = result.stdout
     assert "x the dense-layer floor" in out
     assert "pagefleet vs HF generate, padded batch" in out
-    assert "attention (KV write + paged attention)" in out
+    assert "attention (paged attention)" in out
     assert "greedy outputs equal to HF one-at-a-time" in out
     assert "pagefleet, kv_cache_dtype float16: " in out and "x the dense-layer floor" in out
     assert "greedy outputs of pagefleet, kv_cache_dtype float16 equal to kv_cache_dtype auto" in out
