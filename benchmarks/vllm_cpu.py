@@ -37,8 +37,10 @@ eager (its compilation alone takes longer than the whole smoke run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -210,8 +212,16 @@ def run_child(engine: Engine, spec: dict[str, Any], vllm_python: Path,
     cmd = [python, __file__, "--child", engine.name, str(spec_file), str(result_file)]
     log = workdir / f"{engine.name}-{engine.mode}.log"
     with log.open("w") as sink:
-        rc = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                            check=False).returncode
+        # A session of its own: vLLM's engine-core and worker processes can outlive the
+        # child (a worker left spinning a core took half the machine from the next round),
+        # so whatever is left of its process group is killed when it ends.
+        child = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            rc = child.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
     if rc != 0 or not result_file.exists():
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise RuntimeError(f"{engine.label} failed (exit {rc}):\n{tail}")
