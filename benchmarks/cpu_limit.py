@@ -457,13 +457,9 @@ def instrumented(llm: Any, timers: Timers) -> Iterator[None]:
     for module in (llama_module, cpu_linear_module):
         module.attend_written = timers.wrap("attention", saved_attend)  # type: ignore[assignment]
     handles = timers.hook_linears(runner.model)
-    # An output projection that takes its layer's residual add runs `plus`, not forward.
-    saved_plus = cpu_linear_module.PackedLinear.plus
-    cpu_linear_module.PackedLinear.plus = timers.wrap("linear", saved_plus)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cpu_linear_module.PackedLinear.plus = saved_plus  # type: ignore[method-assign]
         for h in handles:
             h.remove()
         for module in (llama_module, cpu_linear_module):

@@ -12,8 +12,6 @@ in place, once, at load, for a float32 model on the CPU:
   this CPU (`PackedLinear`, `gemm_backend`): MKL's on Intel CPUs, oneDNN's
   elsewhere (MKL runs its slow generic kernels on AMD's: 2.2-4x slower than
   oneDNN's on the same shapes, benchmarks/cpu_gemm.py);
-- a layer with both fused adds each residual in the GEMM of its output
-  projection (`FusedDecoderLayer`, `PackedLinear.plus`: oneDNN's epilogue);
 - RMSNorm, the fused MLP's SiLU and product, and the fused attention's RoPE
   with its K/V write, run in C, one pass each (`pagefleet.kernels.cpu_layers`:
   `CPURMSNorm`, `FusedGateUpMLP`, `FusedQKVAttention`), where the C library
@@ -146,9 +144,6 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x)
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         if self.backend == ONEDNN:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -156,16 +151,6 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         out = torch.ops.mkl._mkl_linear(x, self.packed_weight, self._shape_only, self.bias, rows)
         return out
-
-    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + self(x)`; on oneDNN the sum is taken in the GEMM's epilogue (a binary
-        post-op: each output rounded once into the sum, the bits of the separate add)."""
-        if self.backend == ONEDNN and residual.is_contiguous() and residual.dtype == x.dtype:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, self.packed_weight, self.bias, "add"
-            )
-            return out
-        return residual + self._gemm(x)
 
     def extra_repr(self) -> str:
         return (
@@ -238,9 +223,7 @@ class FusedQKVAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         metadata: PagedAttentionMetadata,
-        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The attention's output, plus `residual` when given."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)
         caches = metadata.kv_cache.layer(self.layer_idx)
@@ -258,7 +241,8 @@ class FusedQKVAttention(nn.Module):
             q, k, v = qkv.split(self.split_heads, dim=-2)  # [tokens, heads, dim]
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             out = attend(q, k, v, metadata, self.layer_idx, self.scaling)
-        return _project(self.o_proj, out.reshape(tokens, -1), residual)
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, -1))
+        return result
 
 
 class FusedGateUpMLP(nn.Module):
@@ -276,8 +260,7 @@ class FusedGateUpMLP(nn.Module):
         self.down_proj: nn.Module = mlp.down_proj
         self.act_fn = mlp.act_fn
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP's output, plus `residual` when given."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if (
             self.kernels is not None
@@ -290,40 +273,8 @@ class FusedGateUpMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = self.act_fn(gate)
             hidden.mul_(up)  # act(gate) is a fresh tensor: the product needs no second one
-        return _project(self.down_proj, hidden, residual)
-
-
-def _project(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """`proj(x)`, plus `residual` when given (in the GEMM where `proj` is packed)."""
-    if residual is None:
-        out: torch.Tensor = proj(x)
+        out: torch.Tensor = self.down_proj(hidden)
         return out
-    if isinstance(proj, PackedLinear):
-        return proj.plus(x, residual)
-    added: torch.Tensor = residual + proj(x)
-    return added
-
-
-class FusedDecoderLayer(nn.Module):
-    """A `DecoderLayer` of a fused attention and MLP, each residual add taken by their output
-    projection (`PackedLinear.plus`); the same modules, names and order of operations."""
-
-    def __init__(self, layer: Any) -> None:
-        super().__init__()
-        self.self_attn: FusedQKVAttention = layer.self_attn
-        self.mlp: FusedGateUpMLP = layer.mlp
-        self.input_layernorm: nn.Module = layer.input_layernorm
-        self.post_attention_layernorm: nn.Module = layer.post_attention_layernorm
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, metadata, residual=hidden)
-        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
 def _plain(module: Any) -> bool:
@@ -335,10 +286,8 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
 
     A layer whose attention or MLP projections a LoRA adapter wraps
     (`LoRALinear`) keeps that module; every plain `nn.Linear` left, a
-    `LoRALinear`'s base included, is packed. A layer with both fused takes its residual
-    adds in its output projections (`FusedDecoderLayer`). Every RMSNorm, the fused MLPs'
-    SiLU and product, and the fused attentions' RoPE and K/V write run in C where the
-    library builds.
+    `LoRALinear`'s base included, is packed. Every RMSNorm, the fused MLPs' SiLU and
+    product, and the fused attentions' RoPE and K/V write run in C where the library builds.
     """
     kernels = layer_kernels()
 
@@ -357,9 +306,6 @@ def accelerate_cpu_layers(model: Any, backend: str) -> None:
             gate_up = _pack(fuse_linears([mlp.gate_proj, mlp.up_proj]))
             mlp.down_proj = _pack(mlp.down_proj)
             layer.mlp = FusedGateUpMLP(mlp, gate_up, kernels)
-    for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.self_attn, FusedQKVAttention) and isinstance(layer.mlp, FusedGateUpMLP):
-            model.model.layers[i] = FusedDecoderLayer(layer)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if _plain(child):
