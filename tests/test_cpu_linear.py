@@ -56,6 +56,13 @@ def _model(arch: str, tmp_path: Path, **overrides: object) -> Path:
     return build_tiny_hf_model(arch, tmp_path, dtype=torch.float32, **overrides)
 
 
+def _arch_model(arch: str, tmp_path: Path) -> Path:
+    """The tiny float32 model of `arch`: Qwen2 brings q/k/v biases, Mistral a sliding window
+    shorter than the longest prompt."""
+    overrides = {"sliding_window": 8} if arch == "mistral" else {}
+    return _model(arch, tmp_path, **overrides)
+
+
 def _runner(model_dir: Path, monkeypatch: pytest.MonkeyPatch, backend: str | None,
             **kwargs: object) -> ModelRunner:  # fmt: skip
     """A runner on `backend`'s packed GEMM, or on the plain modules (None)."""
@@ -153,9 +160,7 @@ def test_float64_and_the_switch_keep_the_plain_modules(
 def test_fast_path_logits_equal_the_plain_modules_to_float32_round_off(
     arch: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Qwen2 brings q/k/v biases; Mistral a sliding window shorter than the longest prompt.
-    overrides = {"sliding_window": 8} if arch == "mistral" else {}
-    model_dir = _model(arch, tmp_path, **overrides)
+    model_dir = _arch_model(arch, tmp_path)
     prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENS]
     fast = _prefill_then_decode(_runner(model_dir, monkeypatch, backend), prompts)
     plain = _prefill_then_decode(_runner(model_dir, monkeypatch, None), prompts)
@@ -169,8 +174,7 @@ def test_fast_path_logits_equal_the_plain_modules_to_float32_round_off(
 def test_the_c_layers_give_the_logits_of_torchs_operations_bit_for_bit(
     arch: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    overrides = {"sliding_window": 8} if arch == "mistral" else {}
-    runner = _runner(_model(arch, tmp_path, **overrides), monkeypatch, backend)
+    runner = _runner(_arch_model(arch, tmp_path), monkeypatch, backend)
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
     layers = list(runner.model.model.layers)
     assert norms and all(type(m) is CPURMSNorm for m in norms)

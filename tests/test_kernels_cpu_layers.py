@@ -131,6 +131,8 @@ def test_rope_write_refuses_a_slot_outside_the_cache_and_writes_nothing(kernels:
     bf16 = k_cache.to(torch.bfloat16)
     assert not kernels.writes(bf16, bf16)  # torch's write there
     assert not kernels.writes(k_cache.transpose(0, 1), v_cache.transpose(0, 1))
+    odd = torch.zeros(2, 4, 1, 7)
+    assert not kernels.writes(odd, odd)  # an odd head_dim: torch's RoPE and write there
 
 
 def test_fits_rows_takes_dense_float32_rows_of_any_row_stride() -> None:

@@ -17,6 +17,8 @@ import torch
 
 from pagefleet.kernels.cpu_decode import library
 
+# The widest head RoPE's C pass takes (MAX_HEAD_DIM in cpu_layers.c: a stack row).
+ROPE_MAX_HEAD_DIM = 1024
 # The cache dtypes RoPE's C pass writes, and its function for each.
 _ROPE_WRITE = {torch.float32: "pf_rope_write_f32", torch.float16: "pf_rope_write_f32_f16"}
 
@@ -51,9 +53,13 @@ class LayerKernels:
         return out
 
     def writes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """True when `rope_write` takes this layer's caches: contiguous, float32 or float16."""
+        """True when `rope_write` takes this layer's caches: contiguous, float32 or float16,
+        an even head_dim of at most `ROPE_MAX_HEAD_DIM`."""
+        head_dim = k_cache.shape[-1]
         return (
             k_cache.dtype in _ROPE_WRITE
+            and head_dim % 2 == 0
+            and head_dim <= ROPE_MAX_HEAD_DIM
             and v_cache.dtype == k_cache.dtype
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
@@ -94,7 +100,9 @@ class LayerKernels:
             raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's "
                              f"{k_cache.shape[0] * k_cache.shape[1]} slots")  # fmt: skip
         if status != 0:
-            raise ValueError(f"RoPE in C takes an even head_dim of at most 1,024, got {head_dim}")
+            raise ValueError(
+                f"RoPE in C takes an even head_dim of at most {ROPE_MAX_HEAD_DIM}, got {head_dim}"
+            )
         return q
 
 

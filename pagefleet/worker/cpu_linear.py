@@ -187,8 +187,13 @@ class CPURMSNorm(RMSNorm):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if hidden.dim() == 2 and fits_rows(hidden) and weight.is_contiguous() and weight.dtype == hidden.dtype:
-            return self.kernels.rms_norm(hidden, self.weight, self.variance_epsilon)
+        if (
+            hidden.dim() == 2
+            and fits_rows(hidden)
+            and weight.is_contiguous()
+            and weight.dtype == hidden.dtype
+        ):
+            return self.kernels.rms_norm(hidden, weight, self.variance_epsilon)
         return super().forward(hidden)
 
 
