@@ -26,7 +26,6 @@
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
-#pragma clang fp exceptions(ignore)
 #elif defined(__GNUC__)
 /* No FP traps to keep: lets GCC vectorize SiLU's selects (the values are the same). */
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
