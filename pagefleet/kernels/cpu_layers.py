@@ -115,10 +115,10 @@ def layer_kernels() -> LayerKernels | None:
 def fits_rows(x: torch.Tensor) -> bool:
     """True for a float32 CPU tensor whose last dimension is dense and every other one
     collapses into one row stride (`[rows, ...]` rows the kernels can walk)."""
-    if x.dtype != torch.float32 or x.is_cuda or x.dim() < 2:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 2:
         return False
     if x.is_contiguous():
-        return x.device.type == "cpu"
+        return True
     expected = 1
     for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:]), strict=True):
         if size != 1 and stride != expected:
