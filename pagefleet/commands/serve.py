@@ -12,6 +12,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from pagefleet import c_library
 from pagefleet.commands import preflight
 from pagefleet.worker.model_files import DEFAULT_MODEL
 
@@ -151,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         # The local ingress binds on this machine: a busy port is a one-line error here
         # rather than a failed Serve deployment after the workers have loaded.
         check_ports(config, grpc_port, args.metrics_port)
+        if any(pool.device != "cuda" for pool in config.pools):
+            # The CPU workers' C library compiles on the other core while the models are
+            # prepared (a first GGUF conversion is one core's Python); they load it.
+            c_library.build_ahead()
         prepare_models(config)
     from pagefleet.cluster.app import (  # imports Ray: only once the input is good
         StartError,

@@ -6,46 +6,28 @@ The library holds the elementwise layers of `cpu_layers.c` too (`pagefleet.kerne
 prefill token is one query row over the positions up to its own);
 it shares the sequences out over `torch.get_num_threads()` OpenMP threads,
 torch's own (see cpu_decode.c).
-It is compiled with the system C compiler (``$CC``, else ``cc``) into
-``<cache root>/kernels/`` (`pagefleet.cache_root`), once per node and source
-version; the file name carries a digest of the source, the flags, the
-compiler and the CPU, so a shared home directory never hands one CPU's build
-to another. Where no compiler works, `decode_kernel` returns None once the
-build has failed (logged once) and decode tokens take the per-sequence SDPA
-path. ``PAGEFLEET_CPU_DECODE=off`` turns the kernel off (the benchmarks'
-comparison).
+`pagefleet.c_library` compiles it once per node and source version. Where no
+compiler works, `decode_kernel` returns None once the build has failed (logged
+once) and decode tokens take the per-sequence SDPA path.
+``PAGEFLEET_CPU_DECODE=off`` turns the kernel off (the benchmarks' comparison).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from pagefleet.cache_root import default_cache_root
+from pagefleet import c_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_layers.c"))
 SWITCH_ENV = "PAGEFLEET_CPU_DECODE"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11", "-fopenmp")
-# Where the compiler has no OpenMP (Apple's clang): one thread; where it refuses
-# -march=native (some Apple clang releases): the baseline ISA; then neither.
-FALLBACK_FLAGS = tuple(
-    tuple(f for f in FLAGS if f not in dropped)
-    for dropped in (("-fopenmp",), ("-march=native",), ("-fopenmp", "-march=native"))
-)
 
 # (query dtype, cache dtype) -> the C function for them.
 _FUNCTIONS = {
@@ -66,67 +48,6 @@ _ARGTYPES = [
 ]  # fmt: skip
 
 DecodeKernel = Callable[..., None]
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _cpu_signature() -> str:
-    """The CPU model and feature flags (what -march=native builds for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    wanted = ("model name", "flags", "Features", "CPU part")
-    lines = {}
-    for line in text.splitlines():
-        key = line.split(":", 1)[0].strip()
-        if key in wanted and key not in lines:
-            lines[key] = line
-    return f"{platform.machine()} " + "\n".join(lines[k] for k in sorted(lines))
-
-
-def _build(compiler: str) -> Path:
-    """Compile the kernel into the cache (atomically: concurrent builds are harmless),
-    with `FLAGS`, else each of `FALLBACK_FLAGS` in turn; a cache root that cannot be written gives way
-    to the temporary directory."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-    ).stdout
-    digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(),
-                 version.encode(), _cpu_signature().encode()):  # fmt: skip
-        digest.update(part)
-        digest.update(b"\0")
-    name = f"cpu_decode-{digest.hexdigest()[:16]}.so"
-    for root in (default_cache_root() / "kernels", Path(tempfile.gettempdir()) / "pagefleet-kernels"):
-        target = root / name
-        if target.exists():
-            return target
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            fd, scratch = tempfile.mkstemp(suffix=".so", dir=root)
-        except OSError:
-            continue  # not writable here
-        os.close(fd)
-        try:
-            errors = []
-            for flags in (FLAGS, *FALLBACK_FLAGS):
-                done = subprocess.run(
-                    [compiler, *flags, "-o", scratch, *map(str, SOURCES), "-lm"],
-                    capture_output=True, text=True, timeout=120, check=False,
-                )  # fmt: skip
-                if done.returncode == 0:
-                    os.replace(scratch, target)
-                    return target
-                errors.append(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-1000:]}")
-            raise RuntimeError("; ".join(errors))
-        finally:
-            if os.path.exists(scratch):
-                os.unlink(scratch)
-    raise OSError(f"no writable directory for the kernel ({default_cache_root() / 'kernels'}, "
-                  f"{tempfile.gettempdir()})")
 
 
 # The elementwise layers' C functions (`cpu_layers.c`) and their arguments.
@@ -156,7 +77,7 @@ LAYER_ARGTYPES = {
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built library (attention and elementwise layers), or None where it cannot be built."""
-    compiler = _compiler()
+    compiler = c_library.compiler()
     if compiler is None:
         logger.warning(
             "no C compiler (%s) found: CPU decode attention runs one SDPA call per sequence "
@@ -165,7 +86,7 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(c_library.build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning(
             "building the CPU decode kernel failed, decode attention runs one SDPA call per "

@@ -22,7 +22,8 @@ file, never a transformers traceback or its advice to install a package.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagefleet.cache_root import default_cache_root
+from pagefleet.cache_root import default_cache_root, file_lock
 from pagefleet.worker import progress
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def ensure_gguf_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.is_dir():  # another process converted it while we waited
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -261,34 +262,52 @@ def _convert_gguf(
 
 @contextlib.contextmanager
 def _one_gguf_parse() -> Iterator[None]:
-    """Meanwhile `gguf.GGUFReader(path)` parses each file once: transformers parses the GGUF
-    again for the config, the weights and the tokenizer (four parses of ~2 s each for
-    SmolLM2's, most of a conversion). The parsed reader is read-only (a memory map)."""
-    import gguf as gguf_package
+    """Meanwhile transformers' GGUF loading does each piece of work once, not once per caller.
 
-    original = gguf_package.GGUFReader
+    For one conversion transformers parses the GGUF four times (config, model config,
+    weights, tokenizer), reads every metadata value (SmolLM2's vocabulary and merges,
+    ~300,000 values) three times, and builds gguf's tensor name table once per module
+    of the model (397 times for SmolLM2). Here the file is parsed once (the reader is a
+    read-only memory map), the metadata is read once (each caller gets its own deep
+    copy, 0.04 s), and the name table is built once per (architecture, layer count):
+    SmolLM2's read-and-dequantize phase takes 7.8 s instead of 17.8 on a 2-core guest,
+    and every converted file comes out byte for byte the same.
+    """
+    import gguf as gguf_package
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    open_reader = gguf_package.GGUFReader
+    load = hf_gguf.load_gguf_checkpoint
     parsed: dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
 
     def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
-            return original(path, *args, **kwargs)
+            return open_reader(path, *args, **kwargs)
         key = str(Path(path).resolve())
         if key not in parsed:
-            parsed[key] = original(path)
+            parsed[key] = open_reader(path)
         return parsed[key]
 
-    setattr(gguf_package, "GGUFReader", reader)  # noqa: B010  (a class attribute to mypy)
+    def load_checkpoint(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return load(path, return_tensors=return_tensors, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in metadata:
+            metadata[key] = load(path)
+        return copy.deepcopy(metadata[key])  # callers pop and set keys in what they get
+
+    # (callers import these names at call time, so the module attributes are what they get)
+    replacements = {
+        (gguf_package, "GGUFReader"): reader,
+        (gguf_package, "get_tensor_name_map"): functools.cache(gguf_package.get_tensor_name_map),
+        (hf_gguf, "load_gguf_checkpoint"): load_checkpoint,
+    }
+    originals = {key: getattr(*key) for key in replacements}
+    for (module, name), replacement in replacements.items():
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        setattr(gguf_package, "GGUFReader", original)  # noqa: B010
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
