@@ -409,27 +409,29 @@ def pagefleet_run(
 
 
 class Timers:
-    """CPU seconds per category, accumulated by wrappers and forward hooks."""
+    """Seconds per category, accumulated by wrappers and forward hooks: CPU seconds, or
+    wall-clock ones with `clock=time.perf_counter` (several threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.process_time) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._open: list[float] = []
+        self._clock = clock
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.process_time()
+            start = self._clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.process_time() - start
+                self.seconds[name] += self._clock() - start
         return timed
 
     def hook_linears(self, model: torch.nn.Module) -> list[Any]:
         def pre(*_: Any) -> None:
-            self._open.append(time.process_time())
+            self._open.append(self._clock())
 
         def post(*_: Any) -> None:
-            self.seconds["linear"] += time.process_time() - self._open.pop()
+            self.seconds["linear"] += self._clock() - self._open.pop()
 
         handles = []
         for m in model.modules():

@@ -30,6 +30,14 @@ column is the engine's construction (weights, KV cache, compilation).
 Token equality: how many requests' greedy token ids are identical to
 pagefleet's.
 
+`--breakdown`: where each engine's time goes. In every child, after the timed
+runs, each workload once more with one output token (the prefill and one
+sample: the prefill's wall time), so a decode step's time is the rest over
+the other output tokens; and, for pagefleet, one more full run with its step
+timed part by part on the wall clock (the instrumentation of `cpu_limit.py`,
+whose forward hooks add a little to the parts they wrap). Each row comes from
+the engine's best round.
+
 `--smoke`: 4 short requests per workload, 4 output tokens, one round, vLLM
 eager (its compilation alone takes longer than the whole smoke run).
 """
@@ -81,6 +89,8 @@ class Run:
     cpu: float
     startup: float
     tokens: list[list[int]]
+    prefill: float | None = None  # --breakdown: the wall time with one output token
+    parts: list[list[str]] | None = None  # --breakdown, pagefleet: its step, part by part
 
 
 # ------------------------------------------------------------------ workloads
@@ -118,7 +128,7 @@ def build_workloads(
 
 def pagefleet_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Both workloads on pagefleet's `LLM` with its defaults (as `cpu_limit.py` builds it)."""
-    from cpu_limit import make_llm, pagefleet_run
+    from cpu_limit import Timers, breakdown_rows, instrumented, make_llm, pagefleet_run
 
     from pagefleet.kernels.cpu_decode import SWITCH_ENV
     from pagefleet.kernels.dispatch import BACKEND_ENV
@@ -135,6 +145,13 @@ def pagefleet_child(spec: dict[str, Any]) -> dict[str, Any]:
         timing, tokens = pagefleet_run(llm, prompts, spec["max_tokens"])
         out[name] = {"wall": timing.wall, "cpu": timing.cpu, "startup": startup,
                      "tokens": tokens}
+    if spec["breakdown"]:
+        for name, prompts in workloads.items():
+            out[name]["prefill"] = pagefleet_run(llm, prompts, 1)[0].wall
+            timers = Timers(clock=time.perf_counter)
+            with instrumented(llm, timers):
+                timing, _ = pagefleet_run(llm, prompts, spec["max_tokens"])
+            out[name]["parts"] = breakdown_rows(timers.seconds, timing.wall)
     return out
 
 
@@ -171,6 +188,13 @@ def vllm_child(spec: dict[str, Any]) -> dict[str, Any]:
         wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         out[name] = {"wall": wall, "cpu": cpu, "startup": startup,
                      "tokens": [list(r.outputs[0].token_ids) for r in results]}
+    if spec["breakdown"]:
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for name, prompts in spec["workloads"].items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
+            out[name]["prefill"] = time.perf_counter() - t0
     return out
 
 
@@ -229,6 +253,32 @@ def run_child(engine: Engine, spec: dict[str, Any], vllm_python: Path,
     return result
 
 
+def print_breakdown(best: dict[tuple[Engine, str], Run], engines: list[Engine],
+                    workloads: dict[str, list[list[int]]], output_tokens: int) -> None:
+    """Each engine's prefill and decode step, and pagefleet's parts (wall seconds)."""
+    import _engine_bench as common
+
+    rows = []
+    for name in workloads:
+        for engine in engines:
+            run = best[(engine, name)]
+            assert run.prefill is not None
+            step = (run.wall - run.prefill) / max(1, output_tokens - 1)
+            rows.append([engine.label, name, f"{run.wall:.2f}", f"{run.prefill:.2f}",
+                         f"{step * 1e3:.1f}"])
+    print()
+    common.print_table(
+        "where the time goes (each engine's best round; the prefill is a run with one output "
+        "token)", ["engine", "workload", "wall s", "prefill s", "decode ms/step"], rows,
+    )
+    for name in workloads:
+        parts = best[(Engine("pagefleet", "defaults"), name)].parts
+        assert parts is not None
+        print()
+        common.print_table(f"pagefleet's step on {name}, part by part (wall s, one "
+                           "instrumented run)", ["part", "s", "share"], parts)
+
+
 def equal_count(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
@@ -245,6 +295,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; best of")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also each engine's prefill and decode step, and pagefleet's "
+                        "step part by part")
     parser.add_argument("--smoke", action="store_true",
                         help="4 short requests, 4 output tokens, 1 round, vLLM eager")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -275,7 +328,8 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
     spec = {"model_name": args.model, "model_path": str(model_path),
-            "max_tokens": args.output_tokens, "workloads": workloads}
+            "max_tokens": args.output_tokens, "workloads": workloads,
+            "breakdown": args.breakdown}
     best: dict[tuple[Engine, str], Run] = {}
     with tempfile.TemporaryDirectory(prefix="pagefleet-vllm-") as tmp:
         for r in range(args.rounds):
@@ -316,6 +370,8 @@ def main() -> None:
     print()
     for line in ratios:
         print(line)
+    if args.breakdown:
+        print_breakdown(best, engines, workloads, args.output_tokens)
     if not version:
         print(note)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

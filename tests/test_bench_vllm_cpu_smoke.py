@@ -29,9 +29,12 @@ def run_smoke(*extra: str) -> str:
 def test_without_vllm_pagefleet_rows_print_and_the_peer_is_skipped_with_a_note(
     tmp_path: Path,
 ) -> None:
-    out = run_smoke("--vllm-python", str(tmp_path / "no-such-python"))
+    out = run_smoke("--vllm-python", str(tmp_path / "no-such-python"), "--breakdown")
     assert "vLLM: skipped, no Python at" in out
     for workload in ("mixed", "shared-prefix"):
         assert re.search(rf"round 1: pagefleet defaults +{workload} ", out)
+        assert re.search(rf"pagefleet defaults +{workload} +[0-9.]+ +[0-9.]+ +[0-9.]+", out)
+        assert f"pagefleet's step on {workload}, part by part" in out
     assert "pagefleet and vLLM CPU (best of rounds by wall clock)" in out
+    assert re.search(r"linear layers \(matmuls\) +[0-9.]+ +[0-9.]+%", out)
 
