@@ -33,7 +33,9 @@ def test_without_vllm_pagefleet_rows_print_and_the_peer_is_skipped_with_a_note(
     assert "vLLM: skipped, no Python at" in out
     for workload in ("mixed", "shared-prefix"):
         assert re.search(rf"round 1: pagefleet defaults +{workload} ", out)
-        assert re.search(rf"pagefleet defaults +{workload} +[0-9.]+ +[0-9.]+ +[0-9.]+", out)
+        # wall s, prefill s, decode ms/step: the last the difference of two timings, which
+        # a loaded machine can make negative at 4 output tokens.
+        assert re.search(rf"pagefleet defaults +{workload} +[0-9.]+ +[0-9.]+ +-?[0-9.]+", out)
         assert f"pagefleet's step on {workload}, part by part" in out
     assert "pagefleet and vLLM CPU (best of rounds by wall clock)" in out
     assert re.search(r"linear layers \(matmuls\) +[0-9.]+ +[0-9.]+%", out)
