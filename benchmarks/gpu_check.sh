@@ -96,10 +96,10 @@ if [[ "$dry_run" -eq 1 ]]; then
   # One torch thread: two threads on a loaded 2-core machine run many times slower.
   step offload 600 python3 benchmarks/offload.py --smoke --model "$model" --threads 1
 else
-  # Time limits add up to 480 s with the 30 s to find or build the model (the GGUF's
-  # conversion, cached on disk, or a random model of its shape, in seconds). The
-  # engine step runs three engines (HF, pagefleet with CUDA graphs, pagefleet eager),
-  # so it gets the largest share.
+  # Time limits add up to 480 s with the 30 s to find the model or build a random one
+  # of its shape. The engine step converts the SmolLM2 GGUF where its package is
+  # installed (once: cached on disk, the offload step reuses it) and runs three engines
+  # (HF, pagefleet with CUDA graphs, pagefleet eager), so it gets the largest share.
   step triton_tests 140 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_write_kv.py
   step paged_attention 80 python3 benchmarks/paged_attention.py
   step engine 175 python3 benchmarks/gpu_engine.py --device cuda --dtype bfloat16 --model "$model"
