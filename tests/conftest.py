@@ -32,6 +32,12 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")
 # (Serve's handle loop after its Ray went) would connect this process to some other test's
 # cluster, and the next module's ray.init would fail ("called ray.init twice").
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+# The suite runs three test processes, their clusters and the servers and benchmark smokes
+# they start on two cores. An OpenMP thread that finds no work spins before it sleeps (the
+# default ACTIVE policy), on a core another process is waiting for: three torch processes of
+# two threads each took 12% more CPU and wall time than with PASSIVE (benchmarks/throughput.py
+# --smoke, three at once). Every process the tests start inherits this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import signal
 
