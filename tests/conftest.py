@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -62,6 +64,35 @@ if not torch.cuda.is_available():
     # Triton sets up its CPU interpreter only if TRITON_INTERPRET is set when triton is
     # first imported, and transformers imports triton: this must precede every test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def run_benchmark(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[..., str]]:
+    """`run_benchmark(script, *args)` runs `benchmarks/<script>` as `__main__` in this process,
+    as `python benchmarks/<script> *args` would (its directory first on `sys.path`), and
+    returns its stdout; it fails if the script exits non-zero. A process of its own would
+    spend seconds of CPU importing torch and transformers, which this one has already.
+    The environment, torch's thread count and `sys.path` are restored afterwards."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def run(script: str, *args: str) -> str:
+        monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+        try:
+            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+        except SystemExit as done:
+            assert done.code in (0, None), f"{script} exited {done.code}"
+        return capsys.readouterr().out
+
+    yield run
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
 
 
 def _module_rank(items: list[pytest.Item]) -> int:

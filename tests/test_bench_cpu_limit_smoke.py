@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_limit.py"
-
 
 @pytest.mark.slow
-def test_cpu_limit_quick_prints_floor_peers_and_breakdown() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--kv-cache-dtype", "auto", "float16"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+def test_cpu_limit_quick_prints_floor_peers_and_breakdown(run_benchmark: Callable[..., str]) -> None:
+    out = run_benchmark("cpu_limit.py", "--quick", "--threads", "1", "--kv-cache-dtype", "auto", "float16")
     assert "x the dense-layer floor" in out
     assert "pagefleet vs HF generate, padded batch" in out
     assert "attention (paged attention)" in out

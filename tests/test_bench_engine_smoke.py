@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import runpy
 import shutil
 import subprocess
 import sys
@@ -24,24 +23,9 @@ def run_smoke(script: str, *extra: str) -> str:
     return result.stdout
 
 
-@pytest.fixture
-def run_smoke_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., str]:
-    """The script with `--smoke` run as `__main__` in this process, which has torch and
-    transformers imported already (a process of its own spends seconds of CPU on that);
-    returns its stdout. `sys.path` is restored afterwards."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as `python benchmarks/X.py` puts it first
-
-    def run(script: str, *extra: str) -> str:
-        monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--smoke", *extra])
-        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
-        return capsys.readouterr().out
-
-    return run
-
-
 @pytest.mark.slow
-def test_throughput_smoke_prints_the_ratio_table(run_smoke_here: Callable[..., str]) -> None:
-    out = run_smoke_here("throughput.py")
+def test_throughput_smoke_prints_the_ratio_table(run_benchmark: Callable[..., str]) -> None:
+    out = run_benchmark("throughput.py", "--smoke")
     assert "pagefleet vs padded batch" in out and "HF generate, one at a time" in out
     assert "greedy outputs equal to HF one-at-a-time" in out
 
@@ -54,17 +38,17 @@ def test_prefix_cache_smoke_hits_the_ideal_prefix() -> None:
 
 
 @pytest.mark.slow
-def test_offload_smoke_brings_every_history_back_unchanged(run_smoke_here: Callable[..., str]) -> None:
-    out = run_smoke_here("offload.py")
+def test_offload_smoke_brings_every_history_back_unchanged(run_benchmark: Callable[..., str]) -> None:
+    out = run_benchmark("offload.py", "--smoke")
     assert "tier hit rate vs ideal: 100.0%" in out
     assert "outputs equal with and without the tier: True" in out
 
 
 @pytest.mark.slow
 def test_prefix_cache_smoke_hits_the_ideal_prefix_when_submitted_together(
-    run_smoke_here: Callable[..., str],
+    run_benchmark: Callable[..., str],
 ) -> None:
-    out = run_smoke_here("prefix_cache.py", "--together")
+    out = run_benchmark("prefix_cache.py", "--smoke", "--together")
     assert "hit tokens vs ideal: 100.0%" in out
 
 
