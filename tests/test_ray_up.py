@@ -43,7 +43,7 @@ import yaml
 from cluster_fixtures import generate, pool_status, tokens_of, wait_for
 from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
 
-from pagefleet import LLM, SamplingParams
+from pagefleet import LLM, SamplingParams, c_library
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -189,6 +189,21 @@ export PIP_NO_INDEX=1 PIP_NO_DEPS=1 PIP_NO_BUILD_ISOLATION=0
 """
 
 
+def _seed_kernel_cache(home: Path) -> None:
+    """The node's kernel cache holds this host's build of the CPU kernels' C library, as a
+    node image built on the same CPU would: the node's workers load it instead of spending
+    about 8 CPU s each compiling the same sources (the build itself is tested in
+    `test_c_library.py` and `test_kernels_cpu_attention.py`). The file's name digests the
+    sources, flags, compiler and CPU, all the node's own here, so the node finds it."""
+    found = c_library.compiler()
+    if found is None:
+        return
+    built = c_library.build(found)
+    kernels = home / ".cache" / "pagefleet" / "kernels"
+    kernels.mkdir(parents=True)
+    shutil.copy2(built, kernels / built.name)
+
+
 def make_client_key(folder: Path) -> Path:
     key = folder / "client_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
@@ -225,6 +240,7 @@ def start_ssh_node(key: Path, bridge: Bridge, index: int) -> SshNode:
         "PrintMotd no\n"
     )
     (root / "tmp/home/.bashrc").write_text(_node_environment())
+    _seed_kernel_cache(root / "tmp/home")
     (root / "tmp/home/.profile").write_text(". ~/.bashrc\n")  # login shells, as on Debian
     (root / "init.sh").write_text(_node_init_script(root))
     log = open(root / "sshd.log", "wb")  # noqa: SIM115 - sshd writes it as long as it runs
