@@ -7,7 +7,9 @@ real library). A wrapper on `$CC` logs each compile before handing it to `cc`.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -80,6 +82,22 @@ def test_a_build_ahead_that_fails_raises_nothing_and_leaves_nothing(
     thread.join(timeout=60)
     assert compiles(logging_cc) == 1 + len(c_library.FALLBACK_FLAGS)  # every flag set tried
     assert not list((logging_cc.parent / "cache").glob("kernels/*.so"))
+
+
+def test_a_cache_root_that_cannot_be_written_gives_way_to_the_temporary_directory(
+    logging_cc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    not_a_dir = logging_cc.parent / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("PAGEFLEET_CACHE_DIR", str(not_a_dir))
+    monkeypatch.setattr(tempfile, "tempdir", str(logging_cc.parent / "tmp"))
+    (logging_cc.parent / "tmp").mkdir()
+    compiler = c_library.compiler()
+    assert compiler is not None
+    built = c_library.build(compiler)
+    assert built.parent == logging_cc.parent / "tmp" / "pagefleet-kernels"
+    assert ctypes.CDLL(str(built)).pf_one() == 1  # a library that loads
+    assert compiles(logging_cc) == 1
 
 
 def test_without_a_compiler_nothing_is_built_ahead(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -264,19 +263,6 @@ def test_a_compiler_refusing_march_native_or_openmp_builds_without_it(
     monkeypatch.setenv("CC", str(wrapper))
     assert cpu_decode.decode_kernel(torch.float32, torch.float32) is not None
     assert_matches_oracle(batch([1, 3, 1], [21, 8, 40], torch.float32, seed=15))
-
-
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
-def test_a_cache_root_that_cannot_be_written_gives_way_to_the_temporary_directory(
-    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    not_a_dir = fresh_build / "file"
-    not_a_dir.write_text("")
-    monkeypatch.setenv("PAGEFLEET_CACHE_DIR", str(not_a_dir))
-    monkeypatch.setattr(tempfile, "tempdir", str(fresh_build / "tmp"))
-    (fresh_build / "tmp").mkdir()
-    assert cpu_decode.decode_kernel(torch.float64, torch.float64) is not None
-    assert len(list((fresh_build / "tmp" / "pagefleet-kernels").glob("cpu_decode-*.so"))) == 1
 
 
 def outputs_on_threads(b: PagedBatch, thread_counts: tuple[int, ...]) -> list[torch.Tensor]:
