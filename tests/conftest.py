@@ -68,7 +68,7 @@ import torch
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Under pytest-xdist each of the two test processes gets one core's worth of threads.
+# Under pytest-xdist each test process (the README runs three) gets one thread.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # Ray's driver waits this long for a lost GCS before its shutdown returns (its default

@@ -214,6 +214,51 @@ def test_the_kernel_takes_prefill_chunks_too_with_no_sdpa_call(
                                rtol=1e-5, atol=1e-5)
 
 
+def test_the_l1_data_cache_size_is_read_from_sysfs(tmp_path: Path) -> None:
+    caches = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "32K"),
+              "index2": ("2", "Unified", "1024K"), "index3": ("3", "Unified", "32768K")}
+    for index, (level, kind, size) in caches.items():
+        (tmp_path / index).mkdir()
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / index / name).write_text(text + "\n")
+    assert cpu_decode.l1_data_cache_bytes(tmp_path) == 48 * 1024
+    (tmp_path / "index0" / "size").write_text("1M\n")
+    assert cpu_decode.l1_data_cache_bytes.__wrapped__(tmp_path) == 1 << 20
+    # No sysfs (not Linux), or no level-1 data cache in it: not known.
+    assert cpu_decode.l1_data_cache_bytes(tmp_path / "absent") is None
+    shutil.rmtree(tmp_path / "index0")
+    assert cpu_decode.l1_data_cache_bytes.__wrapped__(tmp_path) is None
+
+
+def test_the_next_block_goes_to_l1_only_where_two_blocks_fill_at_most_half_of_it() -> None:
+    smollm2_block = 16 * 3 * 64 * 4  # block_size x KV heads x head_dim x float32: 12 KiB
+    assert cpu_decode.prefetch_into_l1(smollm2_block, 48 * 1024)
+    assert not cpu_decode.prefetch_into_l1(smollm2_block, 32 * 1024)
+    assert not cpu_decode.prefetch_into_l1(16 * 8 * 128 * 4, 48 * 1024)  # 64 KiB blocks
+    assert not cpu_decode.prefetch_into_l1(smollm2_block, None)  # L1 size not known: L2
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_prefetching_into_l1_or_l2_gives_the_same_bits(
+    kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SmolLM2's heads and blocks; decode tokens, a first prefill chunk and one after
+    # cached context, blocks scattered and shared.
+    b = make_paged_batch([1, 20, 1, 7, 1], [70, 20, 33, 50, 16], num_q_heads=9, num_kv_heads=3,
+                         head_dim=64, block_size=16, dtype=torch.float32, kv_dtype=kv_dtype,
+                         shared_prefix_blocks=1, seed=5)
+    block_bytes = 16 * 3 * 64 * 4
+    outs = []
+    for l1_bytes in (1 << 20, None):  # room for two blocks in half of it; not known
+        monkeypatch.setattr(cpu_decode, "l1_data_cache_bytes", lambda l1_bytes=l1_bytes: l1_bytes)
+        assert cpu_decode.prefetch_into_l1(block_bytes, l1_bytes) == (l1_bytes is not None)
+        outs.append(paged_attention_cpu(*b.kernel_args(), 64**-0.5))
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(widened(b), 64**-0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty kernel cache, and the library built again on first use (then restored)."""

@@ -12,7 +12,8 @@
  * across the block's rows, which stay in L1 for the tile's other rows and the
  * GQA group's other heads. Each row's arithmetic is the same, in the same
  * order, whatever its tile. The next block (blocks are scattered in memory) is
- * prefetched into L2 a few cache lines per row worked on, and during the last
+ * prefetched a few cache lines per row worked on, into L1 where two blocks fit
+ * in half of it, else into L2 (the caller says which), and during the last
  * block of the keys the first of the values. The scores of the context go to a
  * scratch row per query head, the softmax subtracts their maximum (as SDPA
  * does), and the weighted sum of the values is accumulated in the compute type,
@@ -147,14 +148,21 @@ static inline v4d exp_v4d(v4d x) {
     return x;
 }
 
-/* Ask for the next two cache lines of a run [p, end) still to prefetch, if any, into
- * L2 (locality 2: prefetcht1 on x86), not L1: fetched into L1 a block ahead, they evicted
- * the lines the current block still needed (1.6x slower a step, from L3 or from memory). */
-#define PREFETCH_STEP(p, end)               \
-    if ((p) < (end)) {                      \
-        __builtin_prefetch(p, 0, 2);        \
-        __builtin_prefetch((p) + 64, 0, 2); \
-        (p) += 128;                         \
+/* Ask for the next two cache lines of a run [p, end) still to prefetch, if any, into L1
+ * (locality 3: prefetcht0 on x86) where `into_l1`, else into L2 (locality 2: prefetcht1).
+ * The caller says which (`prefetch_l1`): into an L1 that two blocks fill more than half,
+ * the next block's lines evicted those the current block still needed (32 KB L1, 1.6x
+ * slower a step); into one they fill at most half, a step is 1.2x faster than by L2. */
+#define PREFETCH_STEP(p, end)                       \
+    if ((p) < (end)) {                              \
+        if (into_l1) {                              \
+            __builtin_prefetch(p, 0, 3);            \
+            __builtin_prefetch((p) + 64, 0, 3);     \
+        } else {                                    \
+            __builtin_prefetch(p, 0, 2);            \
+            __builtin_prefetch((p) + 64, 0, 2);     \
+        }                                           \
+        (p) += 128;                                 \
     }
 
 /* Widen `width` cache elements into `dst`. */
@@ -217,16 +225,16 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         const int64_t *rows, const int32_t *tables, int64_t table_stride, const int64_t *seq, \
         const int64_t *start, const int64_t *ctx, int64_t n_seqs, int64_t block_size,         \
         int64_t kv_heads, int64_t group, int64_t head_dim, double scale, T *out,              \
-        int64_t out_row_stride, int64_t threads
+        int64_t out_row_stride, int64_t threads, int64_t prefetch_l1
 #define DECODE_ARGS                                                                           \
     q, q_row_stride, k, v, slot_stride, rows, tables, table_stride, seq, start, ctx, n_seqs,  \
-        block_size, kv_heads, group, head_dim, scale, out, out_row_stride, threads
+        block_size, kv_heads, group, head_dim, scale, out, out_row_stride, threads, prefetch_l1
 
 /* DEFINE_DECODE's call of its tile body for tile i0's rows (TILE_ROWS of them), with the
  * head_dim given (a constant, for constant trip counts, or the argument). */
 #define TILE_CALL(FN, T, HEAD_DIM, TILE_ROWS)                                                 \
     FN(qrs, outs, ctx + i0, TILE_ROWS, k, v, slot_stride, table, start[i0], block_size,       \
-       kv_heads, group, HEAD_DIM, (T)scale, scores, longest, acc, dots, blk_buf)
+       kv_heads, group, HEAD_DIM, (T)scale, scores, longest, acc, dots, blk_buf, prefetch_l1 != 0)
 
 /* Arguments, shared by every instantiation:
  *   q            query rows; row r, head j at q + r * q_row_stride + j * head_dim
@@ -236,6 +244,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
  *   seq[i]       its row in the block tables
  *   start[i], ctx[i]  the positions it attends: [start, ctx)
  *   out          output rows, like q (out_row_stride)
+ *   prefetch_l1  nonzero: the next block is prefetched into L1, else into L2 (PREFETCH_STEP)
  * Returns 0; -1 when the scratch rows could not be allocated; -2 when head_dim
  * is no multiple of 8 or more than MAX_CHUNKS vectors.
  *
@@ -247,7 +256,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         const T *const *qrs, T *const *outs, const int64_t *his, int64_t tile,                \
         const KV_T *k, const KV_T *v, int64_t slot_stride, const int32_t *table, int64_t lo,  \
         int64_t block_size, int64_t kv_heads, int64_t group, const int64_t head_dim, T scale, \
-        T *scores, int64_t longest, VT *acc, VT *dots, T *blk_buf) {                          \
+        T *scores, int64_t longest, VT *acc, VT *dots, T *blk_buf, const int into_l1) {       \
         const int64_t heads = kv_heads * group, chunks = head_dim / W;                        \
         int64_t hi = his[0];                                                                  \
         for (int64_t x = 1; x < tile; x++) hi = his[x] > hi ? his[x] : hi;                    \
