@@ -152,7 +152,7 @@ static inline v4d exp_v4d(v4d x) {
  * (locality 3: prefetcht0 on x86) where `into_l1`, else into L2 (locality 2: prefetcht1).
  * The caller says which (`prefetch_l1`): into an L1 that two blocks fill more than half,
  * the next block's lines evicted those the current block still needed (32 KB L1, 1.6x
- * slower a step); into one they fill at most half, a step is 1.2x faster than by L2. */
+ * slower a step); into one they fill at most half, a step is 1.3x faster than by L2. */
 #define PREFETCH_STEP(p, end)                       \
     if ((p) < (end)) {                              \
         if (into_l1) {                              \
