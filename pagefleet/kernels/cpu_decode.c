@@ -151,8 +151,9 @@ static inline v4d exp_v4d(v4d x) {
 /* Ask for the next two cache lines of a run [p, end) still to prefetch, if any, into L1
  * (locality 3: prefetcht0 on x86) where `into_l1`, else into L2 (locality 2: prefetcht1).
  * The caller says which (`prefetch_l1`): into an L1 that two blocks fill more than half,
- * the next block's lines evicted those the current block still needed (32 KB L1, 1.6x
- * slower a step); into one they fill at most half, a step is 1.3x faster than by L2. */
+ * the next block's lines evicted those the current block still needed (1.6x slower a
+ * step on an AVX-512 EPYC, likely a 32 KB-L1 Zen 4); into one they fill at most half
+ * (48 KB), a step is 1.3x faster than by L2. */
 #define PREFETCH_STEP(p, end)                       \
     if ((p) < (end)) {                              \
         if (into_l1) {                              \

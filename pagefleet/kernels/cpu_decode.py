@@ -126,7 +126,7 @@ def prefetch_into_l1(block_bytes: int, l1_bytes: int | None) -> bool:
     blocks (`block_bytes` each, in the compute type) fill at most half of the L1 data cache,
     so the next one's lines do not evict those of the block being worked on. Measured on
     SmolLM2's 12 KiB blocks: 1.3x faster a decode step by L1 with a 48 KiB L1, 1.6x slower
-    with a 32 KiB one (docs/benchmarks.md 14.9)."""
+    on an earlier AVX-512 EPYC, likely a 32 KiB-L1 Zen 4 (docs/benchmarks.md 14.9)."""
     return l1_bytes is not None and 2 * block_bytes <= l1_bytes // 2
 
 
