@@ -230,12 +230,11 @@ def test_the_l1_data_cache_size_is_read_from_sysfs(tmp_path: Path) -> None:
     assert cpu_decode.l1_data_cache_bytes.__wrapped__(tmp_path) is None
 
 
-def test_the_next_block_goes_to_l1_only_where_two_blocks_fill_at_most_half_of_it() -> None:
-    smollm2_block = 16 * 3 * 64 * 4  # block_size x KV heads x head_dim x float32: 12 KiB
-    assert cpu_decode.prefetch_into_l1(smollm2_block, 48 * 1024)
-    assert not cpu_decode.prefetch_into_l1(smollm2_block, 32 * 1024)
-    assert not cpu_decode.prefetch_into_l1(16 * 8 * 128 * 4, 48 * 1024)  # 64 KiB blocks
-    assert not cpu_decode.prefetch_into_l1(smollm2_block, None)  # L1 size not known: L2
+def test_the_next_block_goes_to_l1_only_on_a_cpu_with_a_48_kib_l1_or_more() -> None:
+    assert cpu_decode.prefetch_into_l1(48 * 1024)
+    assert cpu_decode.prefetch_into_l1(64 * 1024)
+    assert not cpu_decode.prefetch_into_l1(32 * 1024)
+    assert not cpu_decode.prefetch_into_l1(None)  # L1 size not known: L2
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -248,11 +247,10 @@ def test_prefetching_into_l1_or_l2_gives_the_same_bits(
     b = make_paged_batch([1, 20, 1, 7, 1], [70, 20, 33, 50, 16], num_q_heads=9, num_kv_heads=3,
                          head_dim=64, block_size=16, dtype=torch.float32, kv_dtype=kv_dtype,
                          shared_prefix_blocks=1, seed=5)
-    block_bytes = 16 * 3 * 64 * 4
     outs = []
-    for l1_bytes in (1 << 20, None):  # room for two blocks in half of it; not known
+    for l1_bytes in (48 * 1024, 32 * 1024):  # into L1; into L2
         monkeypatch.setattr(cpu_decode, "l1_data_cache_bytes", lambda l1_bytes=l1_bytes: l1_bytes)
-        assert cpu_decode.prefetch_into_l1(block_bytes, l1_bytes) == (l1_bytes is not None)
+        assert cpu_decode.prefetch_into_l1(l1_bytes) == (l1_bytes == 48 * 1024)
         outs.append(paged_attention_cpu(*b.kernel_args(), 64**-0.5))
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(widened(b), 64**-0.5),

@@ -12,8 +12,8 @@
  * across the block's rows, which stay in L1 for the tile's other rows and the
  * GQA group's other heads. Each row's arithmetic is the same, in the same
  * order, whatever its tile. The next block (blocks are scattered in memory) is
- * prefetched a few cache lines per row worked on, into L1 where two blocks fit
- * in half of it, else into L2 (the caller says which), and during the last
+ * prefetched a few cache lines per row worked on, into L1 on CPUs with a large
+ * one, else into L2 (the caller says which), and during the last
  * block of the keys the first of the values. The scores of the context go to a
  * scratch row per query head, the softmax subtracts their maximum (as SDPA
  * does), and the weighted sum of the values is accumulated in the compute type,
@@ -150,10 +150,9 @@ static inline v4d exp_v4d(v4d x) {
 
 /* Ask for the next two cache lines of a run [p, end) still to prefetch, if any, into L1
  * (locality 3: prefetcht0 on x86) where `into_l1`, else into L2 (locality 2: prefetcht1).
- * The caller says which (`prefetch_l1`): into an L1 that two blocks fill more than half,
- * the next block's lines evicted those the current block still needed (1.6x slower a
- * step on an AVX-512 EPYC, likely a 32 KB-L1 Zen 4); into one they fill at most half
- * (48 KB), a step is 1.3x faster than by L2. */
+ * The caller says which (`prefetch_l1`, by the size of L1): on an AVX-512 EPYC, likely a
+ * 32 KB-L1 Zen 4, L1 prefetches made a step 1.6x slower than L2 ones; on a Zen 5 (48 KB)
+ * they made it 1.3x faster. */
 #define PREFETCH_STEP(p, end)                       \
     if ((p) < (end)) {                              \
         if (into_l1) {                              \

@@ -121,13 +121,17 @@ def l1_data_cache_bytes(cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/ca
     return None
 
 
-def prefetch_into_l1(block_bytes: int, l1_bytes: int | None) -> bool:
-    """Whether the kernel prefetches the next K/V block into L1 rather than L2: where two
-    blocks (`block_bytes` each, in the compute type) fill at most half of the L1 data cache,
-    so the next one's lines do not evict those of the block being worked on. Measured on
-    SmolLM2's 12 KiB blocks: 1.3x faster a decode step by L1 with a 48 KiB L1, 1.6x slower
-    on an earlier AVX-512 EPYC, likely a 32 KiB-L1 Zen 4 (docs/benchmarks.md 14.9)."""
-    return l1_bytes is not None and 2 * block_bytes <= l1_bytes // 2
+# The L1 data cache from which the kernel prefetches into L1 rather than L2.
+L1_PREFETCH_MIN_BYTES = 48 * 1024
+
+
+def prefetch_into_l1(l1_bytes: int | None) -> bool:
+    """Whether the kernel prefetches the next K/V block into L1 rather than L2: on a CPU
+    whose L1 data cache is at least `L1_PREFETCH_MIN_BYTES`. A proxy from two CPUs
+    (docs/benchmarks.md 14.9): on a Zen 5 (48 KiB) L1 was 1.3x faster a decode step on
+    SmolLM2's 12 KiB blocks and no slower on 32 and 64 KiB ones; on an earlier AVX-512
+    EPYC (L1 size not recorded, likely a Zen 4's 32 KiB) it was 1.6x slower. Unknown: L2."""
+    return l1_bytes is not None and l1_bytes >= L1_PREFETCH_MIN_BYTES
 
 
 def enabled() -> bool:
@@ -161,8 +165,7 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
         """Decode rows `rows` of `query` into the same rows of `out` (see `cpu_decode.c`)."""
         _, num_q_heads, head_dim = query.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        block_bytes = block_size * num_kv_heads * head_dim * query.element_size()
-        into_l1 = prefetch_into_l1(block_bytes, l1_data_cache_bytes())
+        into_l1 = prefetch_into_l1(l1_data_cache_bytes())
         status = fn(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             num_kv_heads * head_dim, rows.data_ptr(), block_tables.data_ptr(),
