@@ -223,11 +223,11 @@ def test_the_l1_data_cache_size_is_read_from_sysfs(tmp_path: Path) -> None:
             (tmp_path / index / name).write_text(text + "\n")
     assert cpu_decode.l1_data_cache_bytes(tmp_path) == 48 * 1024
     (tmp_path / "index0" / "size").write_text("1M\n")
-    assert cpu_decode.l1_data_cache_bytes.__wrapped__(tmp_path) == 1 << 20
+    assert cpu_decode.l1_data_cache_bytes(tmp_path) == 1 << 20
     # No sysfs (not Linux), or no level-1 data cache in it: not known.
     assert cpu_decode.l1_data_cache_bytes(tmp_path / "absent") is None
     shutil.rmtree(tmp_path / "index0")
-    assert cpu_decode.l1_data_cache_bytes.__wrapped__(tmp_path) is None
+    assert cpu_decode.l1_data_cache_bytes(tmp_path) is None
 
 
 def test_the_next_block_goes_to_l1_only_on_a_cpu_with_a_48_kib_l1_or_more() -> None:
@@ -249,7 +249,7 @@ def test_prefetching_into_l1_or_l2_gives_the_same_bits(
                          shared_prefix_blocks=1, seed=5)
     outs = []
     for l1_bytes in (48 * 1024, 32 * 1024):  # into L1; into L2
-        monkeypatch.setattr(cpu_decode, "l1_data_cache_bytes", lambda l1_bytes=l1_bytes: l1_bytes)
+        monkeypatch.setattr(cpu_decode, "this_cpu_l1_data_cache_bytes", lambda l1_bytes=l1_bytes: l1_bytes)
         assert cpu_decode.prefetch_into_l1(l1_bytes) == (l1_bytes == 48 * 1024)
         outs.append(paged_attention_cpu(*b.kernel_args(), 64**-0.5))
     assert torch.equal(outs[0], outs[1])

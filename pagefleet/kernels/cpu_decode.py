@@ -105,10 +105,9 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def l1_data_cache_bytes(cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
-    """The size of this CPU's L1 data cache in bytes, from Linux's sysfs (`cpu_caches`);
-    None where it is not known."""
+def l1_data_cache_bytes(cpu_caches: Path) -> int | None:
+    """The size of a CPU's L1 data cache in bytes, from its directory of Linux's sysfs
+    (`.../cpu0/cache`); None where it is not known."""
     units = {"K": 1 << 10, "M": 1 << 20}
     for index in sorted(cpu_caches.glob("index*")):
         try:
@@ -119,6 +118,12 @@ def l1_data_cache_bytes(cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/ca
         except (OSError, ValueError):
             continue
     return None
+
+
+@functools.cache
+def this_cpu_l1_data_cache_bytes() -> int | None:
+    """`l1_data_cache_bytes` of this machine's first CPU, read once."""
+    return l1_data_cache_bytes(Path("/sys/devices/system/cpu/cpu0/cache"))
 
 
 # The L1 data cache from which the kernel prefetches into L1 rather than L2.
@@ -165,7 +170,7 @@ def decode_kernel(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeK
         """Decode rows `rows` of `query` into the same rows of `out` (see `cpu_decode.c`)."""
         _, num_q_heads, head_dim = query.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        into_l1 = prefetch_into_l1(l1_data_cache_bytes())
+        into_l1 = prefetch_into_l1(this_cpu_l1_data_cache_bytes())
         status = fn(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             num_kv_heads * head_dim, rows.data_ptr(), block_tables.data_ptr(),
