@@ -332,15 +332,23 @@ def test_the_decode_kernel_gives_the_same_bits_on_one_thread_or_several(dtype: t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "block_size"), [
+    (6, 2, 32, 8), (9, 3, 64, 16), (4, 4, 32, 32), (8, 2, 64, 16), (4, 2, 16, 24),
+], ids=["gqa3-block8", "smollm2", "mha-block32", "gqa4", "gqa2-block24"])  # fmt: skip
 def test_a_prefill_chunk_gives_each_row_the_bits_of_that_row_alone(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The kernel takes a chunk's rows in tiles (8 rows per K/V block read), each row's
     # arithmetic its own: a recompute that runs decoded tokens as a prefill chunk gets
     # the numbers they had, on any number of threads. (SDPA, the path without the
-    # kernel, gives a chunk's rows other bits.)
+    # kernel, gives a chunk's rows other bits.) The shapes reach every way the kernel
+    # splits its work: whole groups of 16 positions' scores (blocks of 16 and 32) and
+    # cut ones, and the values' bundles of 3 pairs of one row's heads (GQA 3), of
+    # three rows (MHA), across rows (GQA 2 and 4) and a last short one.
     monkeypatch.setenv(cpu_decode.SWITCH_ENV, "on")
-    b = batch([21], [31], dtype, seed=13)
+    b = make_paged_batch([21], [53], num_q_heads=q_heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, block_size=block_size, dtype=dtype, seed=13)
     chunks = outputs_on_threads(b, (1, 3))
     assert torch.equal(chunks[0], chunks[1])
     cached = b.ctx_lens[0] - b.q_lens[0]
@@ -348,6 +356,42 @@ def test_a_prefill_chunk_gives_each_row_the_bits_of_that_row_alone(
         alone = paged_attention_cpu(
             b.query[i : i + 1], b.k_cache, b.v_cache, b.block_tables,
             torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([cached + i + 1], dtype=torch.int32), 32**-0.5,
+            torch.tensor([cached + i + 1], dtype=torch.int32), head_dim**-0.5,
         )  # fmt: skip
         assert torch.equal(alone[0], chunks[0][i]), f"row {i} of the chunk"
+
+
+def reblocked(b: PagedBatch, block_size: int) -> PagedBatch:
+    """The same sequences' K/V in a pool of `block_size`-position blocks, one run each."""
+    kv_heads, head_dim = b.k_cache.shape[2], b.k_cache.shape[3]
+    counts = [-(-ctx // block_size) for ctx in b.ctx_lens]
+    shape = (sum(counts), block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=b.k_cache.dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=b.k_cache.dtype)
+    tables = torch.zeros(len(counts), max(counts), dtype=torch.int32)
+    first = 0
+    for i, (ctx, n) in enumerate(zip(b.ctx_lens, counts, strict=True)):
+        tables[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        k_cache.view(-1, kv_heads, head_dim)[first * block_size : first * block_size + ctx] = (
+            b.keys[i].to(b.k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim)[first * block_size : first * block_size + ctx] = (
+            b.values[i].to(b.k_cache.dtype))
+        first += n
+    return dataclasses.replace(b, k_cache=k_cache, v_cache=v_cache, block_tables=tables)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_gives_the_same_bits_whatever_the_block_size(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A row's scores go 16 positions at a time (8 without AVX-512, 4 in float64), in
+    # registers where a block holds the whole group, else through a scratch row; both
+    # give the same sums. Blocks of 8 cut every group of 16, blocks of 16 and 32 none.
+    monkeypatch.setenv(cpu_decode.SWITCH_ENV, "on")
+    b = make_paged_batch([1, 1, 19, 1], [64, 37, 70, 5], num_q_heads=9, num_kv_heads=3,
+                         head_dim=64, block_size=8, dtype=dtype, seed=23)
+    outs = [paged_attention_cpu(*reblocked(b, size).kernel_args(), 64**-0.5)
+            for size in (8, 16, 32)]  # fmt: skip
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].to(torch.float64), naive_attention(b, 64**-0.5),
+                               rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])

@@ -7,17 +7,21 @@
  * padding, no per-sequence call. Rows go in tiles: up to TILE consecutive rows
  * of one sequence from one first position (a prefill chunk's tokens; a decode
  * token is a tile of its own). A tile's positions are walked block by block;
- * within a block, one query head at a time and one row at a time, the row's
- * query (for the scores) or its running sum (for the values) held in registers
- * across the block's rows, which stay in L1 for the tile's other rows and the
- * GQA group's other heads. Each row's arithmetic is the same, in the same
- * order, whatever its tile. The next block (blocks are scattered in memory) is
- * prefetched a few cache lines per row worked on, into L1 on CPUs with a large
- * one, else into L2 (the caller says which), and during the last
- * block of the keys the first of the values. The scores of the context go to a
- * scratch row per query head, the softmax subtracts their maximum (as SDPA
- * does), and the weighted sum of the values is accumulated in the compute type,
- * position by position (so the loop order changes no bit).
+ * within a block, the scores one query head at a time and one row at a time,
+ * the row's query held in registers across the block's rows, W positions'
+ * dot products at a time kept in registers for their horizontal sums; the
+ * values' weighted sums for BUNDLE (row, query head) pairs of one KV head at
+ * a time, their running sums in registers across the block's rows and each
+ * value vector loaded once for the bundle. The block's rows stay in L1 for
+ * the tile's other rows and the GQA group's other heads. Each row's
+ * arithmetic is the same, in the same order, whatever its tile and bundle.
+ * The next block (blocks are scattered in memory) is prefetched a few cache
+ * lines per row worked on, into L1 on CPUs with a large one, else into L2 (the
+ * caller says which), and during the last block of the keys the first of the
+ * values. The scores of the context go to a scratch row per query head, the
+ * softmax subtracts their maximum (as SDPA does), and the weighted sum of the
+ * values is accumulated in the compute type, position by position (so the
+ * loop order changes no bit).
  *
  * Vectors are GCC/Clang vector extensions (16 or 8 floats, 4 doubles), so the
  * same source builds for AVX2, AVX-512 or NEON; head_dim must be a multiple of
@@ -54,6 +58,19 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define TILE 8 /* query rows of one sequence per K/V block read, at most */
 #define SCORE_BYTES (768 * 1024) /* a tile's score rows, at most (one row always) */
 #define MAX_CHUNKS 64 /* head_dim / lanes, at most (head_dim 256 in float64): stack arrays */
+/* (row, query head) pairs whose weighted sums of one KV head's values are taken together:
+ * 3 (a GQA group of 3, or 3 rows of a tile) keeps 12 sums of 16 lanes in registers at
+ * head_dim 64, each value vector loaded once for the three (docs/benchmarks.md 14.9). */
+#define BUNDLE 3
+
+/* Keep vector `x` in a register: the compiler would otherwise load it again for each use
+ * as a memory operand, which costs a load each (x86 with AVX, whose registers hold the
+ * 32-byte vectors whole; elsewhere nothing). */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) (void)(x)
+#endif
 
 static inline v8f load_v8f(const float *p) {
     v8f x;
@@ -264,7 +281,9 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
         /* Scores, a block at a time, one query head at a time, each row of the tile in       \
            turn (its query in registers; the head's keys stay in L1 across the rows):         \
            each score's dot product is kept as a vector until W positions have one;           \
-           their sums are then taken together. */                                             \
+           their sums are then taken together. A whole group of W positions keeps its         \
+           dot products in registers (a third faster than through `dots`); a group cut        \
+           by a block's end or the row's last position goes through `dots`. */                \
         FOR_EACH_BLOCK(T, KV_T, WIDEN, k, v,                                                  \
             for (int64_t r = 0; r < heads; r++) {                                             \
                 const T *kh = rows + r / group * head_dim; /* its KV head's keys */           \
@@ -276,8 +295,24 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                     for (int64_t c = 0; c < chunks; c++) qv[c] = LOAD(qr + W * c);            \
                     VT *d = dots + (x * heads + r) * W;                                       \
                     T *srow = scores + (x * heads + r) * longest;                             \
-                    for (int64_t j = 0; j < mx; j++) {                                        \
+                    for (int64_t j = 0; j < mx;) {                                            \
                         const int64_t t = t0 + j;                                             \
+                        if (t % W == 0 && j + W <= mx) {                                      \
+                            VT dd[W];                                                         \
+                            _Pragma("GCC unroll 16")                                          \
+                            for (int y = 0; y < W; y++) {                                     \
+                                const T *kr = kh + (j + y) * slot_stride;                     \
+                                PREFETCH_STEP(pf, pf_end);                                    \
+                                VT dot = qv[0] * LOAD(kr);                                    \
+                                for (int64_t c = 1; c < chunks; c++)                          \
+                                    dot += qv[c] * LOAD(kr + W * c);                          \
+                                dd[y] = dot;                                                  \
+                            }                                                                 \
+                            const VT s = HSUMS(dd) * scale;                                   \
+                            memcpy(srow + t, &s, sizeof s);                                   \
+                            j += W;                                                           \
+                            continue;                                                         \
+                        }                                                                     \
                         const T *kr = kh + j * slot_stride;                                   \
                         PREFETCH_STEP(pf, pf_end);                                            \
                         VT dot = qv[0] * LOAD(kr);                                            \
@@ -288,6 +323,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                             const VT s = HSUMS(d) * scale;                                    \
                             memcpy(srow + t - t % W, &s, sizeof s);                           \
                         }                                                                     \
+                        j++;                                                                  \
                     }                                                                         \
                 }                                                                             \
             })                                                                                \
@@ -312,25 +348,59 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                 for (int64_t t = 0; t < nx; t++) row[t] *= inv;                               \
             }                                                                                 \
         }                                                                                     \
-        /* Weighted sum of the values, a block at a time, one query head at a time, each      \
-           row of the tile in turn (its sum in registers across the block). */                \
+        /* Weighted sum of the values, a block at a time, one KV head at a time, its (row,    \
+           query head) pairs BUNDLE at a time (their sums in registers across the block,      \
+           each value vector loaded once for them) as far as all of them go; each pair        \
+           then on its own to its row's last position, and a last short bundle too. */        \
         for (int64_t y = 0; y < tile * heads * chunks; y++) acc[y] = (VT){0};                 \
         FOR_EACH_BLOCK(T, KV_T, WIDEN, v, (const KV_T *)NULL,                                 \
-            for (int64_t r = 0; r < heads; r++) {                                             \
-                const T *vh = rows + r / group * head_dim; /* its KV head's values */         \
-                for (int64_t x = 0; x < tile; x++) {                                          \
-                    const int64_t nx = his[x] - lo;                                           \
-                    const int64_t mx = nx - t0 < m ? nx - t0 : m;                             \
-                    const T *w = scores + (x * heads + r) * longest + t0;                     \
-                    VT *ar = acc + (x * heads + r) * chunks;                                  \
-                    VT a[MAX_CHUNKS];                                                         \
-                    for (int64_t c = 0; c < chunks; c++) a[c] = ar[c];                        \
-                    for (int64_t j = 0; j < mx; j++) {                                        \
-                        const T *vr = vh + j * slot_stride;                                   \
-                        PREFETCH_STEP(pf, pf_end);                                            \
-                        for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * LOAD(vr + W * c); \
+            for (int64_t h = 0; h < kv_heads; h++) {                                          \
+                const T *vh = rows + h * head_dim; /* this KV head's values */                \
+                const int64_t pairs = tile * group;                                           \
+                for (int64_t p0 = 0; p0 < pairs; p0 += BUNDLE) {                              \
+                    const int64_t np = pairs - p0 < BUNDLE ? pairs - p0 : BUNDLE;             \
+                    const T *w[BUNDLE];                                                       \
+                    VT *ar[BUNDLE];                                                           \
+                    int64_t mx[BUNDLE], joint = m;                                            \
+                    for (int64_t i = 0; i < np; i++) {                                        \
+                        const int64_t x = (p0 + i) / group, r = h * group + (p0 + i) % group; \
+                        const int64_t nx = his[x] - lo;                                       \
+                        mx[i] = nx - t0 < m ? nx - t0 : m;                                    \
+                        joint = mx[i] < joint ? mx[i] : joint;                                \
+                        w[i] = scores + (x * heads + r) * longest + t0;                       \
+                        ar[i] = acc + (x * heads + r) * chunks;                               \
                     }                                                                         \
-                    for (int64_t c = 0; c < chunks; c++) ar[c] = a[c];                        \
+                    if (np == BUNDLE) {                                                       \
+                        VT a[BUNDLE][MAX_CHUNKS];                                             \
+                        for (int64_t i = 0; i < BUNDLE; i++)                                  \
+                            for (int64_t c = 0; c < chunks; c++) a[i][c] = ar[i][c];          \
+                        for (int64_t j = 0; j < joint; j++) {                                 \
+                            const T *vr = vh + j * slot_stride;                               \
+                            /* As many prefetches per value row as the pairs one at a time */ \
+                            for (int64_t i = 0; i < BUNDLE; i++) PREFETCH_STEP(pf, pf_end);   \
+                            for (int64_t c = 0; c < chunks; c++) {                            \
+                                VT vv = LOAD(vr + W * c);                                     \
+                                IN_REGISTER(vv);                                              \
+                                for (int64_t i = 0; i < BUNDLE; i++) a[i][c] += w[i][j] * vv; \
+                            }                                                                 \
+                        }                                                                     \
+                        for (int64_t i = 0; i < BUNDLE; i++)                                  \
+                            for (int64_t c = 0; c < chunks; c++) ar[i][c] = a[i][c];          \
+                    } else {                                                                  \
+                        joint = 0;                                                            \
+                    }                                                                         \
+                    for (int64_t i = 0; i < np; i++) {                                        \
+                        if (joint >= mx[i]) continue;                                         \
+                        VT a[MAX_CHUNKS];                                                     \
+                        for (int64_t c = 0; c < chunks; c++) a[c] = ar[i][c];                 \
+                        for (int64_t j = joint; j < mx[i]; j++) {                             \
+                            const T *vr = vh + j * slot_stride;                               \
+                            PREFETCH_STEP(pf, pf_end);                                        \
+                            for (int64_t c = 0; c < chunks; c++)                              \
+                                a[c] += w[i][j] * LOAD(vr + W * c);                           \
+                        }                                                                     \
+                        for (int64_t c = 0; c < chunks; c++) ar[i][c] = a[c];                 \
+                    }                                                                         \
                 }                                                                             \
             })                                                                                \
         for (int64_t x = 0; x < tile; x++)                                                    \
