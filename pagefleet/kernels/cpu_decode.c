@@ -366,10 +366,11 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                         const int64_t x = (p0 + i) / group, r = h * group + (p0 + i) % group; \
                         const int64_t nx = his[x] - lo;                                       \
                         mx[i] = nx - t0 < m ? nx - t0 : m;                                    \
-                        joint = mx[i] < joint ? mx[i] : joint;                                \
+                        joint = mx[i] < joint ? mx[i] : joint; /* <= 0: a row ended before */ \
                         w[i] = scores + (x * heads + r) * longest + t0;                       \
                         ar[i] = acc + (x * heads + r) * chunks;                               \
                     }                                                                         \
+                    if (joint < 0) joint = 0;                                                 \
                     if (np == BUNDLE) {                                                       \
                         VT a[BUNDLE][MAX_CHUNKS];                                             \
                         for (int64_t i = 0; i < BUNDLE; i++)                                  \
