@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
+from pagefleet.kernels.cpu_layers import layer_kernels
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
-from pagefleet.worker.sampler import sample, sampling_probs
+from pagefleet.worker.sampler import greedy_picks, sample, sampling_probs
 from pagefleet.worker.sampling_params import SamplingParams
 from pagefleet.worker.tiny_model import build_tiny_tokenizer
 
@@ -68,6 +69,32 @@ def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
 def test_greedy_rows_take_the_first_argmax() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
     assert sample(logits, [SamplingParams(), SamplingParams()], [None, None]) == [1, 0]
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 33, 100, 49152])
+def test_greedy_picks_in_c_equal_torchs_max_on_ties_nan_and_infinities(vocab: int) -> None:
+    # The C pass (float32 CPU rows) against torch's max(dim=-1), the path of every other
+    # tensor: 32 floats a step in 4 vectors, then the row's tail, so the vocab sizes put the
+    # first maximum in each part and ties across them.
+    assert layer_kernels() is not None, "the C library builds on every test machine"
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen)
+    logits[1] = 0.0  # all tied: index 0
+    logits[2, vocab // 2] = float("nan")
+    logits[3, -1] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 0], logits[5, -1] = 100.0, 100.0  # the first of a tie, the other in the tail
+    logits[6, -1] = 100.0  # the maximum in the tail
+    logits[7] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties
+    logits[8, 0], logits[8, -1] = float("nan"), float("inf")
+    logits[9] = float("-inf")
+    logits[9, -1] = -1e30
+    logits[10, vocab // 3], logits[10, vocab - 1 - vocab // 3] = 50.0, 50.0
+    for rows in (logits, logits[:, : max(1, vocab - 1)]):  # dense rows, then a longer stride
+        top, index = rows.double().max(dim=-1)
+        expected = torch.where(top.isnan() | top.isposinf(), -1, index).tolist()
+        assert greedy_picks(rows) == expected
+        assert greedy_picks(rows.double()) == expected  # torch's path
 
 
 def test_top_k_one_always_picks_the_argmax() -> None:

@@ -57,6 +57,10 @@ LAYER_ARGTYPES = {
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # gate_up, stride, rows
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # inner, out, threads
     ],
+    "pf_greedy_f32": [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # logits, stride, rows
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # vocab, index_out, threads
+    ],
     "pf_rms_norm_f32": [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # x, x_stride, weight
         ctypes.c_int64, ctypes.c_int64, ctypes.c_double,  # rows, width, eps

@@ -203,3 +203,58 @@ static inline void rotate_head(const float *restrict x, const float *restrict co
     }
 DEFINE_ROPE_WRITE(pf_rope_write_f32, float)
 DEFINE_ROPE_WRITE(pf_rope_write_f32_f16, _Float16)
+
+typedef int32_t v8i_l __attribute__((vector_size(32)));
+
+/* Each row's greedy token, as the sampler reads `logits.max(dim=-1)`: the index of the row's
+ * first maximum, or -1 for a row that holds a NaN or +inf (it cannot be sampled). One pass:
+ * the lanes of 4 vectors (32 floats a step, 4 chains of compares in flight) each keep their
+ * largest value and where it first came (a strict comparison keeps the earliest of equal
+ * ones), then the smallest index among the lanes holding the row's maximum. The rows are a
+ * step's logits ([rows, vocab], row stride `stride`). */
+int pf_greedy_f32(const float *logits, int64_t stride, int64_t rows, int64_t vocab,
+                  int64_t *index_out, int64_t threads) {
+    if (vocab < 1 || vocab > INT32_MAX)
+        return 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * vocab >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * stride;
+        v8f_l best[4];
+        v8i_l where[4], nan = {0};
+        for (int a = 0; a < 4; a++) {
+            best[a] = (v8f_l){0} - INFINITY;
+            where[a] = (v8i_l){0};
+        }
+        v8i_l lane = {0, 1, 2, 3, 4, 5, 6, 7};
+        int64_t i = 0;
+        for (; i + 32 <= vocab; i += 32, lane += 32) {
+            for (int a = 0; a < 4; a++) {
+                v8f_l x;
+                memcpy(&x, row + i + 8 * a, sizeof x);
+                const v8i_l above = x > best[a];
+                best[a] = (v8f_l)(((v8i_l)x & above) | ((v8i_l)best[a] & ~above));
+                where[a] = ((lane + 8 * a) & above) | (where[a] & ~above);
+                nan |= x != x;
+            }
+        }
+        float top = -INFINITY;
+        int64_t at = 0, unsampled = 0;
+        for (int a = 0; a < 4; a++)
+            for (int k = 0; k < 8; k++) {
+                unsampled |= nan[k];
+                if (best[a][k] > top || (best[a][k] == top && where[a][k] < at)) {
+                    top = best[a][k];
+                    at = where[a][k];
+                }
+            }
+        for (; i < vocab; i++) {
+            unsampled |= row[i] != row[i];
+            if (row[i] > top) {
+                top = row[i];
+                at = i;
+            }
+        }
+        index_out[r] = unsampled || top == INFINITY ? -1 : at;
+    }
+    return 0;
+}

@@ -1,6 +1,6 @@
 """The decoder's elementwise layers in C for float32 on the CPU (`cpu_layers.c`): RMSNorm, the
 MLP's SiLU and gated product, and RoPE with the step's K/V write, each one pass over the
-step's rows instead of torch's several.
+step's rows instead of torch's several; and the sampler's greedy picks over a step's logits.
 
 Each gives torch's bits exactly (RMSNorm adds its squares in the order of torch's CPU
 reduction, SiLU takes torch's own exp), and a row's result does not depend on its batch.
@@ -51,6 +51,19 @@ class LayerKernels:
         self.lib.pf_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), rows, inner,
                                  out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out
+
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's greedy token of the float32 `logits` `[rows, vocab]` (unit stride along
+        a row): the index of its first maximum, or -1 for a row holding a NaN or +inf; what
+        `logits.max(dim=-1)` says, in one pass (about 10x faster than torch's on a step's
+        logits)."""
+        rows, vocab = logits.shape
+        index = torch.empty(rows, dtype=torch.int64)
+        status = self.lib.pf_greedy_f32(logits.data_ptr(), logits.stride(0), rows, vocab,
+                                        index.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise ValueError(f"greedy picks in C take 1 to 2**31 - 1 columns, got {vocab}")
+        return index.tolist()  # type: ignore[no-any-return]
 
     def writes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """True when `rope_write` takes this layer's caches: contiguous, float32 or float16,
