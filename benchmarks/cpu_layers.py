@@ -1,12 +1,14 @@
 """The decoder's elementwise layers in C against torch's operations, per call.
 
 pagefleet's CPU float32 fast path runs RMSNorm, the MLP's SiLU and product,
-and RoPE with the step's K/V write in C (`pagefleet/kernels/cpu_layers.c`).
-This script times each against the torch operations it replaces,
-at SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64, MLP
-1,536) for a decode step's rows and a prefill chunk's, one thread, median of
-interleaved rounds, CPU time, and checks every output bit for bit against
-torch's. The ratio column is torch's time over pagefleet's.
+and RoPE with the step's K/V write in C (`pagefleet/kernels/cpu_layers.c`),
+and the sampler's greedy picks over the step's logits. This script times each
+against the torch operations it replaces, at SmolLM2-135M's shapes (hidden
+576, 9 query and 3 KV heads of 64, MLP 1,536, vocabulary 49,152; the greedy
+picks over as many logits rows as the step's rows, at most 256) for a decode
+step's rows and a prefill chunk's, one thread, median of interleaved rounds,
+CPU time, and checks every output bit for bit against torch's. The ratio
+column is torch's time over pagefleet's.
 
     python benchmarks/cpu_layers.py [--rows 32 2048] [--rounds 9] [--threads 1]
 """
@@ -26,7 +28,7 @@ from pagefleet.kernels.cpu_layers import layer_kernels
 from pagefleet.kernels.reference import write_kv_reference
 from pagefleet.worker.llama import RMSNorm, rotate
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INNER, BLOCK = 576, 9, 3, 64, 1536, 16
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INNER, BLOCK, VOCAB = 576, 9, 3, 64, 1536, 16, 49152
 
 
 def cpu_ms(fn: Callable[[], Any], calls: int) -> float:
@@ -74,6 +76,13 @@ def cases(rows: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any], Ca
         out = F.silu(gate)
         return out.mul_(up)
 
+    logits = torch.randn(min(rows, 256), VOCAB, generator=gen)
+
+    def greedy_torch() -> list[int]:
+        top, index = logits.max(dim=-1)
+        picked: list[int] = torch.where(top.isnan() | top.isposinf(), -1, index).tolist()
+        return picked
+
     out: list[tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], bool]]] = [
         ("RMSNorm", lambda: norm(hidden), lambda: kernels.rms_norm(hidden, norm.weight, 1e-5),
          lambda: torch.equal(norm(hidden), kernels.rms_norm(hidden, norm.weight, 1e-5))),
@@ -82,6 +91,8 @@ def cases(rows: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any], Ca
          and all(torch.equal(a, b) for a, b in zip(caches["torch"], caches["C"], strict=True))),
         ("SiLU and product", silu_torch, lambda: kernels.silu_mul(gate_up, INNER),
          lambda: torch.equal(silu_torch(), kernels.silu_mul(gate_up, INNER))),
+        ("greedy picks (logits rows)", greedy_torch, lambda: kernels.greedy(logits),
+         lambda: greedy_torch() == kernels.greedy(logits)),
     ]  # fmt: skip
     return out
 
