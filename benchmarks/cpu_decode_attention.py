@@ -18,6 +18,12 @@ one pass over the K/V bytes the step reads (a sum over a contiguous copy of
 them), from memory (each layer its own copy, as the kernel reads them) and
 from the CPU's caches (one layer's copy again). `--quick`: 4 layers, 2 rounds.
 
+`--shared-prefix`: the decode step of the shared-prefix workload of section 21 of
+docs/benchmarks.md instead: 32 sequences whose first 512 positions are the same 32
+blocks, each with 48-96 positions of its own (a 16-64-token suffix and 32 generated
+tokens), so the step reads the same prefix blocks 32 times a layer (from the CPU's
+caches after the first).
+
 `--prefill`: one prefill chunk instead (the kernel takes every token of a
 step: token i of a chunk is one query row over the positions up to its own),
 for chunks of 2 to 4,096 tokens, first chunks and chunks after a cached
@@ -64,6 +70,20 @@ def step_tables(num_seqs: int, generated: int, seed: int = 0) -> tuple[list[list
     return tables, ctx
 
 
+def shared_prefix_tables(num_seqs: int, prefix: int = 512) -> tuple[list[list[int]], list[int]]:
+    """Block tables and context lengths of `num_seqs` sequences sharing `prefix` positions
+    (the same blocks), each 48-96 positions of its own after them."""
+    shared = list(range(prefix // BLOCK))
+    tables, ctx, next_block = [], [], len(shared)
+    for i in range(num_seqs):
+        own = 48 + 48 * i // max(1, num_seqs - 1)
+        n = -(-own // BLOCK)
+        tables.append(shared + list(range(next_block, next_block + n)))
+        next_block += n
+        ctx.append(prefix + own)
+    return tables, ctx
+
+
 # (chunk tokens, cached tokens before it) for --prefill.
 PREFILL_CHUNKS = [(2, 0), (16, 0), (100, 0), (400, 0), (1024, 0), (2048, 0), (4096, 0),
                   (40, 512), (64, 512), (2048, 6144)]
@@ -104,6 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, 2 rounds")
     parser.add_argument("--prefill", action="store_true", help="prefill chunks, not a decode step")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="a decode step whose sequences share a 512-token prefix")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
@@ -113,7 +135,7 @@ def main() -> None:
     if args.prefill:
         prefill(args.rounds, args.quick)
         return
-    tables, ctx = step_tables(32, 32)
+    tables, ctx = shared_prefix_tables(32) if args.shared_prefix else step_tables(32, 32)
     num_blocks = max(b for t in tables for b in t) + 1
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
