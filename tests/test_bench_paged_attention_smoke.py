@@ -35,14 +35,18 @@ def test_kernels_benchmark_smoke_prints_a_passing_table() -> None:
     assert "FAIL" not in proc.stdout
 
 
+@pytest.mark.parametrize("step", [[], ["--shared-prefix"]], ids=["mid-decode", "shared-prefix"])
 def test_cpu_decode_attention_benchmark_quick_prints_every_row(
-    run_benchmark: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+    step: list[str], run_benchmark: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("PAGEFLEET_ATTENTION", raising=False)
-    out = run_benchmark("cpu_decode_attention.py", "--quick")
+    out = run_benchmark("cpu_decode_attention.py", "--quick", *step)
     for row in ("float32 KV (auto)", "float16 KV", "slot gather only", "SDPA only",
                 "bytes read, from memory", "bytes read, from the caches"):
         assert row in out
+    # The shared-prefix step: 32 sequences of 560-608 positions, the first 512 shared.
+    cached = 8331 if not step else sum(512 + 48 + 48 * i // 31 for i in range(32))
+    assert out.startswith(f"32 sequences, {cached} cached tokens"), out
 
 
 def test_cpu_decode_attention_benchmark_prefill_quick_prints_every_chunk(
