@@ -282,7 +282,7 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
            turn (its query in registers; the head's keys stay in L1 across the rows):         \
            each score's dot product is kept as a vector until W positions have one;           \
            their sums are then taken together. A whole group of W positions keeps its         \
-           dot products in registers (the scores 1.2-1.4x faster than through `dots`); a      \
+           dot products in registers (the scores about 1.5x faster than through `dots`); a    \
            group cut by a block's end or the row's last position goes through `dots`. */      \
         FOR_EACH_BLOCK(T, KV_T, WIDEN, k, v,                                                  \
             for (int64_t r = 0; r < heads; r++) {                                             \
