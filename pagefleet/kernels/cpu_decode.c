@@ -370,8 +370,8 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                         w[i] = scores + (x * heads + r) * longest + t0;                       \
                         ar[i] = acc + (x * heads + r) * chunks;                               \
                     }                                                                         \
-                    if (joint < 0) joint = 0;                                                 \
-                    if (np == BUNDLE) {                                                       \
+                    if (np < BUNDLE || joint < 0) joint = 0;                                  \
+                    if (joint > 0) {                                                          \
                         VT a[BUNDLE][MAX_CHUNKS];                                             \
                         for (int64_t i = 0; i < BUNDLE; i++)                                  \
                             for (int64_t c = 0; c < chunks; c++) a[i][c] = ar[i][c];          \
@@ -387,8 +387,6 @@ static inline void widen_none(const void *src, int64_t width, void *dst) {
                         }                                                                     \
                         for (int64_t i = 0; i < BUNDLE; i++)                                  \
                             for (int64_t c = 0; c < chunks; c++) ar[i][c] = a[i][c];          \
-                    } else {                                                                  \
-                        joint = 0;                                                            \
                     }                                                                         \
                     for (int64_t i = 0; i < np; i++) {                                        \
                         if (joint >= mx[i]) continue;                                         \
