@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pagefleet.kernels.cpu_layers import layer_kernels
 from pagefleet.kernels.reference import write_kv_reference
 from pagefleet.worker.llama import RMSNorm, rotate
+from pagefleet.worker.sampler import torch_greedy_picks
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INNER, BLOCK, VOCAB = 576, 9, 3, 64, 1536, 16, 49152
 
@@ -79,9 +80,7 @@ def cases(rows: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any], Ca
     logits = torch.randn(min(rows, 256), VOCAB, generator=gen)
 
     def greedy_torch() -> list[int]:
-        top, index = logits.max(dim=-1)
-        picked: list[int] = torch.where(top.isnan() | top.isposinf(), -1, index).tolist()
-        return picked
+        return torch_greedy_picks(logits)
 
     out: list[tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], bool]]] = [
         ("RMSNorm", lambda: norm(hidden), lambda: kernels.rms_norm(hidden, norm.weight, 1e-5),

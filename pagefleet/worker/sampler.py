@@ -74,6 +74,12 @@ def greedy_picks(logits: torch.Tensor) -> list[int]:
         kernels = layer_kernels()
         if kernels is not None:
             return kernels.greedy(logits)
+    return torch_greedy_picks(logits)
+
+
+def torch_greedy_picks(logits: torch.Tensor) -> list[int]:
+    """`greedy_picks` through torch: the max of each row (NaN when it holds a NaN, max
+    propagates it; +inf when it holds +inf) and its index, the first on ties."""
     top, top_index = logits.max(dim=-1)
     picked: list[int] = torch.where(torch.isnan(top) | torch.isposinf(top), -1, top_index).tolist()
     return picked
