@@ -55,15 +55,23 @@ HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_t
 TEST_PORTS = range(20000, 32768)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A port of TEST_PORTS free now."""
+    """A port of TEST_PORTS free now, and never handed out before by this process: callers
+    pick several before any is bound (a head's GCS, metrics and agent ports), and two of
+    them drawing the same free port made `ray start` refuse to start."""
     for port in random.sample(TEST_PORTS, 200):
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
