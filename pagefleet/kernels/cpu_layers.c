@@ -33,8 +33,11 @@
 
 typedef float v8f_l __attribute__((vector_size(32)));
 
-/* Rows below this many floats of work run on the calling thread (a decode step). */
-#define PARALLEL_FLOATS (64 * 1024)
+/* Rows below this many floats of work run on the calling thread. A decode step of 32 rows
+ * (RMSNorm's 18,432 floats, RoPE's 30,720, SiLU's 49,152) is shared out: on two threads its
+ * C layers took 1.4-1.6 ms a step of SmolLM2 against 2.1-2.2 on one (docs/benchmarks.md
+ * 14.10); a few rows stay on one, where waking the other costs more than it saves. */
+#define PARALLEL_FLOATS (16 * 1024)
 #define MAX_HEAD_DIM 1024 /* RoPE's stack row of a k head */
 
 static inline v8f_l square8(const float *p) {
