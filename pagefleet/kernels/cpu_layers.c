@@ -33,11 +33,13 @@
 
 typedef float v8f_l __attribute__((vector_size(32)));
 
-/* Rows below this many floats of work run on the calling thread. A decode step of 32 rows
- * (RMSNorm's 18,432 floats, RoPE's 30,720, SiLU's 49,152) is shared out: on two threads its
- * C layers took 1.4-1.6 ms a step of SmolLM2 against 2.1-2.2 on one (docs/benchmarks.md
- * 14.10); a few rows stay on one, where waking the other costs more than it saves. */
+/* A step's rows are shared out over the threads when there are two or more (a row stays on
+ * one thread) holding PARALLEL_FLOATS floats of work or more. A decode step of 32 rows does
+ * (RMSNorm's 18,432 floats, RoPE's 30,720, SiLU's 49,152): on two threads its C layers took
+ * 1.4-1.6 ms a step of SmolLM2 against 2.1-2.2 on one (docs/benchmarks.md 14.10). Less work
+ * stays on the calling thread, where waking another costs more than it saves. */
 #define PARALLEL_FLOATS (16 * 1024)
+#define SHARED_OUT(threads, rows, floats) ((threads) > 1 && (rows) > 1 && (floats) >= PARALLEL_FLOATS)
 #define MAX_HEAD_DIM 1024 /* RoPE's stack row of a k head */
 
 static inline v8f_l square8(const float *p) {
@@ -103,7 +105,7 @@ static float torch_sum_squares(const float *row, int64_t width) {
 int pf_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, int64_t rows,
                     int64_t width, double eps, float *out, int64_t out_stride, int64_t threads) {
     const float eps_f = (float)eps, width_f = (float)width;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * width >= PARALLEL_FLOATS)
+#pragma omp parallel for num_threads(threads) if (SHARED_OUT(threads, rows, rows * width))
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * x_stride;
         float *dst = out + r * out_stride;
@@ -145,7 +147,7 @@ static inline float sleef_expf(float d) {
 int pf_silu_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t inner,
                     float *out, int64_t threads) {
     const int64_t vec_end = inner - inner % 32;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * inner >= PARALLEL_FLOATS)
+#pragma omp parallel for num_threads(threads) if (SHARED_OUT(threads, rows, rows * inner))
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict gate = gate_up + r * stride, *restrict up = gate + inner;
         float *restrict dst = out + r * inner;
@@ -183,7 +185,7 @@ static inline void rotate_head(const float *restrict x, const float *restrict co
             if (slots[r] < -1 || slots[r] >= num_slots)                                       \
                 return 2;                                                                     \
         const int64_t half = head_dim / 2, width = kv_heads * head_dim;                       \
-        _Pragma("omp parallel for num_threads(threads) if (threads > 1 && rows * (q_heads + 2 * kv_heads) * head_dim >= PARALLEL_FLOATS)") \
+        _Pragma("omp parallel for num_threads(threads) if (SHARED_OUT(threads, rows, rows * (q_heads + 2 * kv_heads) * head_dim))") \
         for (int64_t r = 0; r < rows; r++) {                                                  \
             const float *src = qkv + r * qkv_stride;                                          \
             const float *c = cos_ + r * trig_stride, *s = sin_ + r * trig_stride;             \
@@ -219,7 +221,7 @@ int pf_greedy_f32(const float *logits, int64_t stride, int64_t rows, int64_t voc
                   int64_t *index_out, int64_t threads) {
     if (vocab < 1 || vocab > INT32_MAX)
         return 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * vocab >= PARALLEL_FLOATS)
+#pragma omp parallel for num_threads(threads) if (SHARED_OUT(threads, rows, rows * vocab))
     for (int64_t r = 0; r < rows; r++) {
         const float *row = logits + r * stride;
         v8f_l best[4];
