@@ -103,8 +103,13 @@ def test_different_sessions_spread_and_each_keeps_its_worker(cluster: RunningClu
     # overloaded, and move its session). Idle workers tie, and a tie goes to the
     # highest hash of (session, worker): these 12 names land on both workers.
     sessions = [f"spread-{i}" for i in range(12)]
+    pins = _session_pins(cluster)
     first = {s: _generate(cluster.grpc_target, _prompt(s, 0), s)[1] for s in sessions}
     assert set(first.values()) == {wid for wid, _ in cluster.workers["default"]}
+    # Each session's next turn may reach the other replica, which sends it to the pinned
+    # worker once the pin has come through the scheduler (until then it only breaks ties
+    # the same way, and a worker whose load report lags is no tie).
+    wait_for(lambda: _session_pins(cluster) >= pins + len(sessions), 30, "the sessions' pins", 0.01)
     for session in sessions:
         assert _generate(cluster.grpc_target, _prompt(session, 1), session)[1] == first[session]
 
