@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagefleet.kernels.cpu_layers import layer_kernels
+from pagefleet.kernels.cpu_layers import fits_rows, layer_kernels
 from pagefleet.kernels.transfer import host_to_device
 from pagefleet.worker.outputs import TokenLogprob
 from pagefleet.worker.sampling_params import SamplingParams
@@ -67,10 +67,7 @@ def greedy_picks(logits: torch.Tensor) -> list[int]:
     float32 rows on the CPU (`LayerKernels.greedy`, about 6x faster than torch's
     `max(dim=-1)` on SmolLM2's 49,152 columns), else torch's max, which propagates a NaN
     and says +inf, and its index."""
-    if (
-        logits.device.type == "cpu" and logits.dtype == torch.float32
-        and logits.dim() == 2 and logits.stride(1) == 1
-    ):  # fmt: skip
+    if logits.dim() == 2 and fits_rows(logits):
         kernels = layer_kernels()
         if kernels is not None:
             return kernels.greedy(logits)
